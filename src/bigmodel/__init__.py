@@ -1,0 +1,28 @@
+"""bigmodel: run PyTorch models larger than the memory of any one device.
+
+Build a model on the meta device, plan a device map under per-device budgets, load a
+checkpoint straight onto the devices of the map (CPU RAM and disk included), and run it
+with hooks that bring each module's weights to the execution device for its forward.
+The public names and signatures follow Hugging Face Accelerate's big-model inference API.
+
+Names are imported lazily, so ``import bigmodel`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._exports import EXPORTS, resolve
+
+__version__ = "0.1.0"
+__all__ = sorted(EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    value = resolve(name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(EXPORTS))

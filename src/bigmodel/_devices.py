@@ -1,0 +1,110 @@
+"""Device specs and accelerator lookup: the only module that knows about backends.
+
+A device spec is what users put in a device map or a budget: an ``int`` (accelerator
+index), ``"cpu"``, ``"disk"``, ``"meta"``, a :class:`torch.device`, or a string such as
+``"cuda:1"``.  Accelerators are found through :mod:`torch.accelerator`, so CUDA, XPU,
+MPS, NPU ... all work without a per-backend branch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Union
+
+import torch
+
+DeviceSpec = Union[int, str, torch.device]
+
+_DEVICE_STRING = re.compile(r"^(?P<type>[a-z_]+[a-z0-9_]*)(?::(?P<index>\d+))?$")
+
+
+def accelerator_type() -> str | None:
+    """The current accelerator's device type (``"cuda"``, ``"xpu"``, ``"mps"`` ...), or None."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.accelerator.current_accelerator().type
+
+
+def accelerator_count() -> int:
+    """Number of accelerator devices visible to torch (0 on a CPU-only machine)."""
+    return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+
+
+def normalize_device(device: DeviceSpec) -> int | str:
+    """Map a device spec onto the canonical key used in device maps and budgets.
+
+    Accelerator devices become their integer index, ``"cpu"``/``"disk"``/``"meta"``
+    stay strings.  ``"cuda:1"`` and ``torch.device("cuda", 1)`` become ``1``.
+
+    Raises:
+        ValueError: if the spec is not a device (names the value and the accepted forms).
+    """
+    if isinstance(device, bool):
+        raise ValueError(f"Device {device!r} is not a device spec; use an int, 'cpu', 'disk' or 'cuda:0'.")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"Device index {device} is negative; accelerator indices start at 0.")
+        return device
+    if isinstance(device, torch.device):
+        if device.type in ("cpu", "meta"):
+            return device.type
+        return device.index if device.index is not None else 0
+    if isinstance(device, str):
+        text = device.strip().lower()
+        if text in ("cpu", "disk", "meta"):
+            return text
+        if text.isdigit():
+            return int(text)
+        match = _DEVICE_STRING.match(text)
+        if match:
+            index = match.group("index")
+            return int(index) if index is not None else 0
+    raise ValueError(
+        f"Device {device!r} is not a device spec; use an int accelerator index, 'cpu', "
+        "'disk', 'meta', a torch.device or a string like 'cuda:1'."
+    )
+
+
+def torch_device(device: DeviceSpec) -> torch.device:
+    """The :class:`torch.device` for a spec; integers map onto the current accelerator type.
+
+    Raises:
+        ValueError: for ``"disk"`` (not a torch device) or an accelerator index on a machine
+            without an accelerator.
+    """
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str) and not device.strip().isdigit():
+        text = device.strip()
+        if text == "disk":
+            raise ValueError("'disk' is not a torch device; tensors mapped to disk live in the offload folder.")
+        return torch.device(text)
+    index = normalize_device(device)
+    kind = accelerator_type()
+    if kind is None:
+        raise ValueError(
+            f"Device {device!r} names an accelerator but torch sees none; map it to 'cpu' or 'disk' instead."
+        )
+    return torch.device(kind, index)
+
+
+def is_accelerator(device: DeviceSpec) -> bool:
+    """True if the spec names an accelerator (not cpu, disk or meta)."""
+    if isinstance(device, torch.device):
+        return device.type not in ("cpu", "meta")
+    return normalize_device(device) not in ("cpu", "disk", "meta")
+
+
+def device_sort_key(device: int | str) -> tuple[int, int]:
+    """Order accelerators by index, then cpu, then disk (the order a device map fills)."""
+    if isinstance(device, int):
+        return (0, device)
+    return ({"cpu": 1, "disk": 2}.get(device, 3), 0)
+
+
+def empty_cache(device: torch.device) -> None:
+    """Release cached allocator blocks of an accelerator (no-op on cpu/meta)."""
+    if device.type in ("cpu", "meta") or not torch.accelerator.is_available():
+        return
+    if hasattr(torch.accelerator, "empty_cache"):
+        torch.accelerator.empty_cache()

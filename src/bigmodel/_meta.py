@@ -1,0 +1,117 @@
+"""Build models without allocating their weights: ``init_empty_weights`` and ``init_on_device``.
+
+Inside the context, every parameter registered on a module is moved to the target device
+right at registration, so the initialisers that run afterwards (``reset_parameters``)
+work on the target device (a no-op on ``meta``).  A parameter that is already on the
+target device is kept as the same object, so ties made inside the context
+(``b.weight = a.weight``) stay ties.  Contexts nest: the innermost one wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._devices import DeviceSpec
+
+_ORIGINAL_REGISTER_PARAMETER = nn.Module.register_parameter
+_ORIGINAL_REGISTER_BUFFER = nn.Module.register_buffer
+
+
+@dataclass(frozen=True)
+class _Placement:
+    device: torch.device
+    include_buffers: bool
+
+
+_STACK: list[_Placement] = []
+_LOCK = threading.Lock()
+
+
+def _same_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    if tensor.device.type != device.type:
+        return False
+    return device.index is None or tensor.device.index == device.index
+
+
+def _moved_parameter(param: nn.Parameter, device: torch.device) -> nn.Parameter:
+    if type(param) is nn.Parameter:
+        return nn.Parameter(param.data.to(device), requires_grad=param.requires_grad)
+    # Parameter subclasses (quantised params) carry their settings in __dict__.
+    extra = {k: v for k, v in param.__dict__.items() if k != "requires_grad"}
+    return type(param)(param.data.to(device), requires_grad=param.requires_grad, **extra)
+
+
+def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    _ORIGINAL_REGISTER_PARAMETER(module, name, param)
+    if param is None or not _STACK:
+        return
+    device = _STACK[-1].device
+    if not _same_device(param, device):
+        module._parameters[name] = _moved_parameter(param, device)
+
+
+def _register_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+    _ORIGINAL_REGISTER_BUFFER(module, name, tensor, persistent=persistent)
+    if tensor is None or not _STACK or not _STACK[-1].include_buffers:
+        return
+    device = _STACK[-1].device
+    if not _same_device(tensor, device):
+        module._buffers[name] = tensor.to(device)
+
+
+@contextlib.contextmanager
+def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | None = None) -> Iterator[None]:
+    """Context manager: parameters (and buffers if ``include_buffers``) created inside land on ``device``.
+
+    Args:
+        device: target device (``"meta"``, ``"cpu"``, ``0``, ``"cuda:1"``, a torch.device).
+        include_buffers: also place buffers on ``device``.  Defaults to False; with True
+            every tensor created inside the context (temporaries included) is created on
+            ``device`` directly, which is the fastest way to build a model.
+
+    Example::
+
+        with init_on_device("meta"):
+            model = nn.Linear(100_000, 100_000)  # no memory used
+    """
+    from ._devices import torch_device
+
+    target = torch_device(device) if not isinstance(device, torch.device) else device
+    placement = _Placement(target, bool(include_buffers))
+    with _LOCK:
+        if not _STACK:
+            nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
+            nn.Module.register_buffer = _register_buffer  # type: ignore[method-assign]
+        _STACK.append(placement)
+    try:
+        with torch.device(target) if placement.include_buffers else contextlib.nullcontext():
+            yield
+    finally:
+        with _LOCK:
+            _STACK.remove(placement)
+            if not _STACK:
+                nn.Module.register_parameter = _ORIGINAL_REGISTER_PARAMETER  # type: ignore[method-assign]
+                nn.Module.register_buffer = _ORIGINAL_REGISTER_BUFFER  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
+    """Context manager: build a model whose parameters live on the ``meta`` device (no memory).
+
+    Buffers stay real (on CPU) unless ``include_buffers`` is True, so computed buffers such
+    as rotary frequencies keep their values.  Load weights afterwards with
+    :func:`bigmodel.load_checkpoint_and_dispatch`.
+
+    Example::
+
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+    """
+    with init_on_device(torch.device("meta"), include_buffers=include_buffers):
+        yield

@@ -1,0 +1,247 @@
+"""Pure byte arithmetic: size strings, dtype sizes and module sizes.
+
+Nothing here allocates tensor memory: every function reads only shapes and dtypes, so
+it works on a model built on the ``meta`` device.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_STRING = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$")
+
+# Names accepted for a dtype given as a string (planning and the CLI use them).
+_DTYPE_ALIASES = {
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
+# Sub-byte dtypes: torch stores them packed; a size estimate counts bits / 8 per element.
+_SUB_BYTE = re.compile(r"^(?:u?int|float)(?P<bits>[1-7])$")
+_STRING_ONLY_BITS = {"int4": 4, "uint4": 4, "int2": 2, "uint2": 2, "fp4": 4, "float4": 4, "int1": 1}
+
+
+def convert_file_size_to_int(size: int | str) -> int:
+    """Convert a memory size to bytes.
+
+    Args:
+        size: an int (bytes) or a string such as ``"10GiB"``, ``"500MB"``, ``"1.5GB"``,
+            ``"2KB"``.  KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2; units are
+            case-insensitive.  A bare number string is bytes.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: if the string does not parse or the size is negative (names the value).
+    """
+    if isinstance(size, bool):
+        raise ValueError(f"Size {size!r} is not a memory size; use bytes (int) or a string like '10GiB'.")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"Size {size} is negative; a memory size is a number of bytes >= 0.")
+        return size
+    if isinstance(size, float) and size >= 0:
+        return int(size)
+    if isinstance(size, str):
+        match = _SIZE_STRING.match(size.lower())
+        if match and match.group("unit") in _SIZE_UNITS:
+            return int(float(match.group("number")) * _SIZE_UNITS[match.group("unit")])
+    raise ValueError(
+        f"Size {size!r} is not a memory size; use bytes (int) or a string such as '10GiB', "
+        "'500MB', '1.5GB' (KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2)."
+    )
+
+
+def to_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    """Resolve a dtype given as a torch dtype or a name (``"bfloat16"``, ``"torch.float16"``, ``"bf16"``).
+
+    Names of sub-byte storage formats that torch has no dtype for (``"int4"``, ``"fp4"`` on
+    older torch) come back as the lower-case string, which :func:`dtype_byte_size` sizes.
+
+    Raises:
+        ValueError: for an unknown name (names it and lists examples).
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.strip().lower().removeprefix("torch.")
+        if name in _DTYPE_ALIASES:
+            return _DTYPE_ALIASES[name]
+        candidate = getattr(torch, name, None)
+        if isinstance(candidate, torch.dtype):
+            return candidate
+        if name in _STRING_ONLY_BITS:
+            return name
+    raise ValueError(
+        f"Unknown dtype {dtype!r}; use a torch dtype or a name such as 'float32', 'bfloat16', "
+        "'float16', 'float8_e4m3fn', 'int8' or 'int4'."
+    )
+
+
+def dtype_byte_size(dtype: torch.dtype | str) -> float:
+    """Bytes one element of ``dtype`` takes.
+
+    Sub-byte dtypes (``int1``..``int7``, ``uint1``..``uint7``, the strings ``"int4"``,
+    ``"int2"``, ``"fp4"``) return a fraction (bits / 8).  ``torch.bool`` returns 1: torch
+    stores one bool per byte.  Packed dtypes such as ``float4_e2m1fn_x2`` return their
+    itemsize (1 byte holds two values).
+
+    Raises:
+        ValueError: for an unknown dtype name.
+    """
+    resolved = to_dtype(dtype)
+    if isinstance(resolved, str):
+        return _STRING_ONLY_BITS[resolved] / 8
+    if resolved is torch.bool:
+        return 1
+    match = _SUB_BYTE.match(str(resolved).removeprefix("torch."))
+    if match:
+        return int(match.group("bits")) / 8
+    return resolved.itemsize
+
+
+def tensor_nbytes(tensor: torch.Tensor, dtype: torch.dtype | str | None = None) -> int:
+    """Bytes of ``tensor`` if stored in ``dtype`` (its own dtype when None); exact for meta tensors."""
+    size = dtype_byte_size(tensor.dtype if dtype is None else dtype)
+    return int(tensor.numel() * size + 0.9999) if size < 1 else tensor.numel() * int(size)
+
+
+def _planned_size(
+    tensor: torch.Tensor, name: str, dtype: torch.dtype | str | None, special_dtypes: Mapping[str, object] | None
+) -> int:
+    if special_dtypes and name in special_dtypes:
+        return tensor_nbytes(tensor, special_dtypes[name])
+    if dtype is None or not (tensor.is_floating_point() or tensor.is_complex()):
+        # Integer and bool tensors keep their dtype when a model is cast.
+        return tensor_nbytes(tensor)
+    # Casting never makes a tensor larger than its current storage in the plan's arithmetic.
+    return min(tensor_nbytes(tensor, dtype), tensor_nbytes(tensor))
+
+
+def _direct_tensors(module: nn.Module, buffers: bool, parameters: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    if parameters:
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield name, param
+    if buffers:
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                yield name, buf
+
+
+def compute_module_sizes(
+    model: nn.Module,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    buffers_only: bool = False,
+) -> dict[str, int]:
+    """Bytes of every module and of every parameter/buffer, keyed by dotted name.
+
+    ``""`` is the whole model.  A tensor shared by several modules (tied parameters) is
+    counted once, under the first name :meth:`nn.Module.named_parameters` gives it.
+
+    Args:
+        model: the model (any device, meta included: only shapes and dtypes are read).
+        dtype: if given, floating tensors are sized as if cast to it (never larger than
+            they are now); integer and bool tensors keep their dtype.
+        special_dtypes: per-tensor dtype overrides, dotted name → dtype.
+        buffers_only: count buffers only.
+
+    Returns:
+        dict name → bytes (ints) for ``""``, every module with tensors under it and every tensor.
+    """
+    sizes: dict[str, int] = {"": 0}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for tensor_name, tensor in _direct_tensors(module, buffers=True, parameters=not buffers_only):
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            full = f"{module_name}.{tensor_name}" if module_name else tensor_name
+            size = _planned_size(tensor, full, dtype, special_dtypes)
+            sizes[full] = sizes.get(full, 0) + size
+            prefix = module_name
+            while True:
+                sizes[prefix] = sizes.get(prefix, 0) + size
+                if not prefix:
+                    break
+                prefix = prefix.rpartition(".")[0]
+    return sizes
+
+
+def compute_module_total_buffer_size(
+    model: nn.Module,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+) -> int:
+    """Bytes of all buffers of ``model`` (persistent or not), sized as in :func:`compute_module_sizes`."""
+    return compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes, buffers_only=True).get("", 0)
+
+
+def get_max_layer_size(
+    modules: list[tuple[str, nn.Module]],
+    module_sizes: Mapping[str, int],
+    no_split_module_classes: list[str] | None,
+) -> tuple[int, list[str]]:
+    """The largest "layer" under ``modules`` and the names of all layers of that size.
+
+    A layer is a module with no children, or whose class name is in
+    ``no_split_module_classes`` (it is never split across devices, so it must fit whole).
+
+    Args:
+        modules: ``(name, module)`` pairs to search, e.g. ``list(model.named_children())``.
+        module_sizes: bytes per name, from :func:`compute_module_sizes`.
+        no_split_module_classes: class names never split.
+
+    Returns:
+        ``(max_size_in_bytes, [layer names with that size])``.
+    """
+    no_split = set(no_split_module_classes or ())
+    max_size, names = 0, []
+    stack = list(reversed(modules))
+    while stack:
+        name, module = stack.pop()
+        children = list(module.named_children()) if isinstance(module, nn.Module) else []
+        if not children or type(module).__name__ in no_split:
+            size = module_sizes.get(name, 0)
+            if size > max_size:
+                max_size, names = size, [name]
+            elif size == max_size:
+                names.append(name)
+        else:
+            prefix = f"{name}." if name else ""
+            stack.extend((f"{prefix}{child}", sub) for child, sub in reversed(children))
+    return max_size, names
+
+
+def calculate_maximum_sizes(model: nn.Module) -> tuple[int, tuple[int, list[str]]]:
+    """Total bytes of ``model`` and its largest layer, as ``(total, (layer_bytes, layer_names))``.
+
+    No-split classes come from ``model._no_split_modules`` (the transformers convention) if set.
+    """
+    sizes = compute_module_sizes(model)
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    largest = get_max_layer_size(list(model.named_children()), sizes, no_split)
+    return sizes[""], largest

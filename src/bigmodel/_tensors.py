@@ -1,0 +1,240 @@
+"""Named tensors of a module, placing one tensor on a device, and tied parameters."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ._devices import DeviceSpec, empty_cache, torch_device
+
+logger = logging.getLogger(__name__)
+
+# tied_params_map convention: data_ptr of the tensor in its storage → {execution device → tensor}.
+TiedParamsMap = dict[int, dict[torch.device, torch.Tensor]]
+
+
+def named_module_tensors(
+    module: nn.Module, include_buffers: bool = True, recurse: bool = False, remove_non_persistent: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for the parameters, then the buffers, of ``module``.
+
+    Args:
+        include_buffers: also yield buffers.
+        recurse: include submodules (dotted names) instead of only direct tensors.
+        remove_non_persistent: skip buffers registered with ``persistent=False`` (they are
+            not in a state dict).
+    """
+    yield from module.named_parameters(recurse=recurse)
+    if not include_buffers:
+        return
+    skip = get_non_persistent_buffers(module, recurse=recurse) if remove_non_persistent else set()
+    for name, buf in module.named_buffers(recurse=recurse):
+        if name not in skip:
+            yield name, buf
+
+
+def get_non_persistent_buffers(module: nn.Module, recurse: bool = False) -> set[str]:
+    """Names of the buffers of ``module`` registered with ``persistent=False`` (dotted when ``recurse``)."""
+    if not recurse:
+        return set(module._non_persistent_buffers_set)
+    names: set[str] = set()
+    for prefix, sub in module.named_modules():
+        names.update(f"{prefix}.{n}" if prefix else n for n in sub._non_persistent_buffers_set)
+    return names
+
+
+def get_submodule_and_name(module: nn.Module, tensor_name: str) -> tuple[nn.Module, str]:
+    """Resolve ``"a.b.weight"`` to ``(module.a.b, "weight")``.
+
+    Raises:
+        AttributeError: naming the missing submodule and the full tensor name.
+    """
+    path, _, name = tensor_name.rpartition(".")
+    try:
+        return (module.get_submodule(path) if path else module), name
+    except AttributeError as err:
+        raise AttributeError(f"{type(module).__name__} has no submodule {path!r} (looking up {tensor_name!r})") from err
+
+
+def _cast(value: torch.Tensor, old: torch.Tensor | None, dtype: torch.dtype | None, non_blocking: bool) -> torch.Tensor:
+    """Floating values take ``dtype`` (or the old tensor's floating dtype); int/bool values keep theirs."""
+    if not value.is_floating_point():
+        return value
+    if dtype is not None:
+        return value.to(dtype, non_blocking=non_blocking)
+    if old is not None and old.is_floating_point() and old.dtype != value.dtype:
+        return value.to(old.dtype, non_blocking=non_blocking)
+    return value
+
+
+def _as_parameter(value: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
+    requires_grad = old.requires_grad and value.is_floating_point()
+    if type(old) is nn.Parameter:
+        return nn.Parameter(value, requires_grad=requires_grad)
+    extra = {k: v for k, v in old.__dict__.items() if k != "requires_grad"}
+    return type(old)(value, requires_grad=requires_grad, **extra)
+
+
+def set_module_tensor_to_device(
+    module: nn.Module,
+    tensor_name: str,
+    device: DeviceSpec,
+    value: torch.Tensor | None = None,
+    dtype: torch.dtype | str | None = None,
+    fp16_statistics: torch.Tensor | None = None,
+    tied_params_map: TiedParamsMap | None = None,
+    non_blocking: bool = False,
+    clear_cache: bool = True,
+) -> None:
+    """Put one parameter or buffer of ``module`` on ``device``, optionally with a new value.
+
+    Args:
+        module: the root module.
+        tensor_name: dotted name, e.g. ``"layers.0.attn.q_proj.weight"``.
+        device: target device spec (not ``"disk"``).
+        value: new value (any device); its shape must equal the current tensor's.
+        dtype: dtype for floating values; by default a floating value takes the current
+            tensor's floating dtype.  Integer and bool values always keep their dtype.
+        fp16_statistics: quantisation statistics stored as ``module.SCB`` (bitsandbytes int8).
+        tied_params_map: ``data_ptr → {device: tensor}``; when the value's storage already has a
+            copy on ``device``, that copy is reused (tied weights materialised once per device).
+        non_blocking: asynchronous host↔device copies.
+        clear_cache: empty the accelerator cache after the move.
+
+    Raises:
+        AttributeError: the module has no parameter or buffer of that name.
+        ValueError: the tensor is on ``meta`` and no value is given, or the value's shape differs
+            (names the tensor and both shapes).
+    """
+    submodule, name = get_submodule_and_name(module, tensor_name)
+    if name not in submodule._parameters and name not in submodule._buffers:
+        raise AttributeError(f"{type(submodule).__name__} has no parameter or buffer named {name!r} ({tensor_name!r}).")
+    old = submodule._parameters[name] if name in submodule._parameters else submodule._buffers[name]
+    target = torch_device(device) if not isinstance(device, torch.device) else device
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        from ._sizes import to_dtype
+
+        dtype = to_dtype(dtype)
+
+    source = value if value is not None else old
+    if source is None:
+        return
+    if tied_params_map is not None and source.device.type != "meta":
+        cached = tied_params_map.get(source.data_ptr(), {}).get(target)
+        if cached is not None:
+            submodule._parameters[name] = cached  # type: ignore[assignment]
+            return
+    if value is None and old is not None and old.device.type == "meta" and target.type != "meta":
+        raise ValueError(
+            f"{tensor_name} is on the meta device and has no data; pass `value=` to place it on {target}."
+        )
+    if value is not None and old is not None and old.shape != value.shape:
+        raise ValueError(
+            f"Trying to set a tensor of shape {tuple(value.shape)} in {tensor_name!r} (which has shape "
+            f"{tuple(old.shape)}); the checkpoint does not match the model."
+        )
+    new = _cast(source, old, dtype, non_blocking).to(target, non_blocking=non_blocking)
+    if name in submodule._buffers:
+        submodule._buffers[name] = new
+    else:
+        param = old if isinstance(old, nn.Parameter) else nn.Parameter(old)
+        if new is old:
+            return
+        submodule._parameters[name] = _as_parameter(new.data if isinstance(new, nn.Parameter) else new, param)
+    if fp16_statistics is not None:
+        submodule.SCB = fp16_statistics.to(target)
+    if tied_params_map is not None and value is not None and value.device.type != "meta":
+        if value.data_ptr() in tied_params_map:
+            tied_params_map[value.data_ptr()][target] = submodule._parameters.get(name, new)
+    if clear_cache:
+        empty_cache(target)
+
+
+def find_tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one Parameter object (tied weights).
+
+    Returns:
+        A list of groups, each a sorted list of ≥ 2 dotted names, e.g.
+        ``[["lm_head.weight", "model.embed_tokens.weight"]]``; groups sorted by first name.
+        Works on meta models: ties are found by object identity, not storage.
+    """
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return sorted((sorted(names) for names in groups.values() if len(names) > 1), key=lambda g: g[0])
+
+
+def retie_parameters(model: nn.Module, tied_params: Sequence[Sequence[str]]) -> None:
+    """Make every name of each group point at one Parameter again (the first one not on ``meta``).
+
+    Use after loading replaced tied parameters by separate tensors.  Groups whose members
+    are all on ``meta`` are left alone.
+    """
+    for group in tied_params:
+        params = [get_submodule_and_name(model, name) for name in group]
+        source = next(
+            (getattr(mod, attr) for mod, attr in params if getattr(mod, attr).device.type != "meta"), None
+        )
+        if source is None:
+            continue
+        for mod, attr in params:
+            mod._parameters[attr] = source
+
+
+def device_of(name: str, device_map: Mapping[str, object]) -> object:
+    """The device a device map gives to ``name`` (longest matching prefix; ``""`` covers everything).
+
+    Raises:
+        KeyError: if no entry of the map covers ``name``.
+    """
+    candidate = name
+    while True:
+        if candidate in device_map:
+            return device_map[candidate]
+        if not candidate:
+            raise KeyError(f"{name!r} is not covered by the device map; add it or one of its parent modules.")
+        candidate = candidate.rpartition(".")[0]
+
+
+def check_tied_parameters_on_same_device(tied_params: Sequence[Sequence[str]], device_map: Mapping[str, object]) -> None:
+    """Log a warning for each tied group whose members the device map puts on different devices."""
+    for group in tied_params:
+        devices = {name: device_of(name, device_map) for name in group}
+        if len(set(map(str, devices.values()))) > 1:
+            logger.warning(
+                "Tied parameters are on different devices: %s. Put their modules on one device in the device map.",
+                devices,
+            )
+
+
+def get_module_size_with_ties(
+    tied_params: Sequence[str],
+    module_size: int,
+    module_sizes: Mapping[str, int],
+    modules_to_treat: Sequence[tuple[str, nn.Module]],
+) -> tuple[int, list[str], list[nn.Module]]:
+    """Size of a module together with the modules holding the partners of its tied parameters.
+
+    Args:
+        tied_params: names of parameters (outside the module) tied to the module's own.
+        module_size: bytes of the module itself.
+        module_sizes: bytes per name, from :func:`bigmodel.compute_module_sizes`.
+        modules_to_treat: the ``(name, module)`` pairs still to place, searched for the partners.
+
+    Returns:
+        ``(bytes including the partner modules minus the shared tensors, partner names, partner modules)``.
+    """
+    names: list[str] = []
+    modules: list[nn.Module] = []
+    total = module_size
+    for tied in tied_params:
+        owner = next(((n, m) for n, m in modules_to_treat if not n or tied.startswith(n + ".")), None)
+        if owner is None:
+            continue
+        names.append(owner[0])
+        modules.append(owner[1])
+        total += module_sizes.get(owner[0], 0) - module_sizes.get(tied, 0)
+    return total, names, modules

@@ -1,0 +1,39 @@
+"""Compatibility path `accelerate.utils.modeling` (re-exports only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bigmodel._exports import resolve
+
+__all__ = [
+    "convert_file_size_to_int",
+    "dtype_byte_size",
+    "compute_module_sizes",
+    "compute_module_total_buffer_size",
+    "get_max_layer_size",
+    "calculate_maximum_sizes",
+    "get_max_memory",
+    "get_balanced_memory",
+    "named_module_tensors",
+    "get_non_persistent_buffers",
+    "set_module_tensor_to_device",
+    "find_tied_parameters",
+    "retie_parameters",
+    "check_tied_parameters_on_same_device",
+    "get_module_size_with_ties",
+    "infer_auto_device_map",
+    "check_device_map",
+    "clean_device_map",
+    "load_state_dict",
+    "load_checkpoint_in_model",
+    "get_state_dict_offloaded_model",
+    "has_offloaded_params",
+    "align_module_device",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return resolve(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
