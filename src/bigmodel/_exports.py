@@ -33,7 +33,7 @@ EXPORTS: dict[str, str] = {
     # loading
     "load_state_dict": "_checkpoint",
     "load_checkpoint_in_model": "_loading",
-    "get_state_dict_offloaded_model": "_loading",
+    "get_state_dict_offloaded_model": "_dispatch",
     # offload storage
     "offload_weight": "_offload",
     "load_offloaded_weight": "_offload",
