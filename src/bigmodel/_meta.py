@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ._devices import DeviceSpec
 
@@ -65,6 +66,36 @@ def _register_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, 
         module._buffers[name] = tensor.to(device)
 
 
+# In-place initialisers that never change a tensor's metadata: on a meta tensor they have
+# nothing to do, so they return at once instead of running torch's Python reference
+# implementations (which dominate the cost of building a large model on meta).  Matched by
+# name, because libraries wrap torch.nn.init (transformers swaps in its own ``normal_``).
+_SHAPE_PRESERVING_INIT_OPS = frozenset(
+    (
+        "normal_", "uniform_", "zero_", "zeros_", "ones_", "fill_", "constant_", "copy_", "erfinv_", "mul_",
+        "add_", "sub_", "div_", "clamp_", "exponential_", "bernoulli_", "random_", "log_normal_", "cauchy_",
+        "geometric_", "masked_fill_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+        "xavier_normal_", "orthogonal_", "eye_", "dirac_", "sparse_",
+    )
+)
+
+
+def _target(args: tuple, kwargs: dict) -> object:
+    return args[0] if args else kwargs.get("tensor")
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Return meta tensors untouched from in-place initialisers (their result carries no data)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _SHAPE_PRESERVING_INIT_OPS:
+            tensor = _target(args, kwargs)
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | None = None) -> Iterator[None]:
     """Context manager: parameters (and buffers if ``include_buffers``) created inside land on ``device``.
@@ -90,7 +121,11 @@ def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | No
             nn.Module.register_buffer = _register_buffer  # type: ignore[method-assign]
         _STACK.append(placement)
     try:
-        with torch.device(target) if placement.include_buffers else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if placement.include_buffers:
+                stack.enter_context(torch.device(target))
+            if target.type == "meta":
+                stack.enter_context(_SkipMetaInit())
             yield
     finally:
         with _LOCK:

@@ -133,8 +133,8 @@ def set_module_tensor_to_device(
         )
     if value is not None and old is not None and old.shape != value.shape:
         raise ValueError(
-            f"Trying to set a tensor of shape {tuple(value.shape)} in {tensor_name!r} (which has shape "
-            f"{tuple(old.shape)}); the checkpoint does not match the model."
+            f"Value for {tensor_name!r} has shape {tuple(value.shape)} but the model expects "
+            f"{tuple(old.shape)}; the checkpoint does not match the model (check its config and path)."
         )
     new = _cast(source, old, dtype, non_blocking).to(target, non_blocking=non_blocking)
     if name in submodule._buffers:

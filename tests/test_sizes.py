@@ -1,0 +1,132 @@
+import pytest
+import torch
+from torch import nn
+
+from bigmodel import (
+    calculate_maximum_sizes,
+    compute_module_sizes,
+    compute_module_total_buffer_size,
+    convert_file_size_to_int,
+    dtype_byte_size,
+    get_max_layer_size,
+    init_empty_weights,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("10GiB", 10 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("2KB", 2000),
+        ("1.5GB", 1_500_000_000),
+        ("1.5gb", 1_500_000_000),
+        ("3kib", 3072),
+        ("123", 123),
+        (4096, 4096),
+    ],
+)
+def test_convert_file_size_to_int(text, expected):
+    assert convert_file_size_to_int(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["10 GiBs", "ten GB", "", "-5MB", -1, True])
+def test_convert_file_size_to_int_rejects(bad):
+    with pytest.raises(ValueError, match="memory size|negative"):
+        convert_file_size_to_int(bad)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        (torch.float32, 4),
+        (torch.bfloat16, 2),
+        (torch.float16, 2),
+        (torch.float8_e4m3fn, 1),
+        (torch.float8_e5m2, 1),
+        (torch.int64, 8),
+        (torch.bool, 1),
+        (torch.complex64, 8),
+        (torch.uint4, 0.5),
+        (torch.int2, 0.25),
+        (torch.uint1, 0.125),
+        ("int4", 0.5),
+        ("fp4", 0.5),
+        ("bf16", 2),
+        ("torch.float16", 2),
+    ],
+)
+def test_dtype_byte_size(dtype, expected):
+    assert dtype_byte_size(dtype) == expected
+
+
+def test_dtype_byte_size_every_torch_dtype_is_positive():
+    dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    for dtype in dtypes:
+        assert dtype_byte_size(dtype) > 0, dtype
+
+
+def test_dtype_byte_size_unknown_name():
+    with pytest.raises(ValueError, match="'floaty'"):
+        dtype_byte_size("floaty")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 8)  # 32 + 8 floats
+        self.register_buffer("scale", torch.ones(2))
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64), persistent=False)
+
+
+def _model():
+    model = nn.Sequential(nn.Embedding(10, 4), Block(), nn.Linear(8, 10, bias=False))
+    return model
+
+
+def test_compute_module_sizes_values():
+    sizes = compute_module_sizes(_model())
+    assert sizes["0"] == 10 * 4 * 4
+    assert sizes["1.linear.weight"] == 32 * 4
+    assert sizes["1.linear"] == 40 * 4
+    assert sizes["1"] == 40 * 4 + 2 * 4 + 3 * 8
+    assert sizes["2"] == 80 * 4
+    assert sizes[""] == sizes["0"] + sizes["1"] + sizes["2"]
+
+
+def test_compute_module_sizes_dtype_keeps_integers():
+    sizes = compute_module_sizes(_model(), dtype=torch.float16)
+    assert sizes["1"] == 40 * 2 + 2 * 2 + 3 * 8
+    special = compute_module_sizes(_model(), dtype=torch.float16, special_dtypes={"2.weight": torch.float32})
+    assert special["2"] == 80 * 4
+
+
+def test_compute_module_sizes_ties_counted_once_and_meta_equal():
+    with init_empty_weights():
+        meta = _model()
+        meta[2].weight = nn.Parameter(torch.empty(10, 8))
+    real = _model()
+    assert compute_module_sizes(meta) == compute_module_sizes(real)
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    assert compute_module_sizes(tied)[""] == 160
+
+
+def test_buffer_size_and_max_layer():
+    model = nn.Sequential(nn.Embedding(10, 4), Block(), nn.Linear(8, 2, bias=False))
+    assert compute_module_total_buffer_size(model) == 2 * 4 + 3 * 8
+    sizes = compute_module_sizes(model)
+    size, names = get_max_layer_size(list(model.named_children()), sizes, [])
+    assert (size, names) == (160, ["0", "1.linear"])
+    size, names = get_max_layer_size(list(model.named_children()), sizes, ["Block"])
+    assert (size, names) == (192, ["1"])
+
+
+def test_calculate_maximum_sizes_uses_no_split_attribute():
+    model = _model()
+    model._no_split_modules = ["Block"]
+    total, (largest, names) = calculate_maximum_sizes(model)
+    assert total == compute_module_sizes(model)[""]
+    assert (largest, names) == (320, ["2"])
+    model[2] = nn.Linear(8, 2, bias=False)
+    assert calculate_maximum_sizes(model)[1] == (192, ["1"])
