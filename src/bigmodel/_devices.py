@@ -57,6 +57,8 @@ def normalize_device(device: DeviceSpec) -> int | str:
             return int(text)
         match = _DEVICE_STRING.match(text) if _is_torch_device_string(text) else None
         if match:
+            if match.group("type") in ("cpu", "disk", "meta"):
+                return match.group("type")  # "cpu:0" is the cpu
             index = match.group("index")
             return int(index) if index is not None else 0
     raise ValueError(

@@ -6,6 +6,7 @@ it works on a model built on the ``meta`` device.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 
@@ -122,9 +123,15 @@ def dtype_byte_size(dtype: torch.dtype | str) -> float:
     return resolved.itemsize
 
 
+@functools.lru_cache(maxsize=None)
+def _element_bytes(dtype: torch.dtype | str) -> float:
+    # dtype_byte_size parses the dtype's name; sizing a model asks once per tensor, so cache it.
+    return dtype_byte_size(dtype)
+
+
 def tensor_nbytes(tensor: torch.Tensor, dtype: torch.dtype | str | None = None) -> int:
     """Bytes of ``tensor`` if stored in ``dtype`` (its own dtype when None); exact for meta tensors."""
-    size = dtype_byte_size(tensor.dtype if dtype is None else dtype)
+    size = _element_bytes(tensor.dtype if dtype is None else dtype)
     return int(tensor.numel() * size + 0.9999) if size < 1 else tensor.numel() * int(size)
 
 

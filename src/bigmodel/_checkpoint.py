@@ -1,0 +1,399 @@
+"""Checkpoints: resolve the files → read tensor headers → iterate tensors lazily.
+
+Formats:
+
+- ``.safetensors``: validated with the ``safetensors`` library (``safe_open``), then the
+  whole file is mapped once (``torch.UntypedStorage.from_file``, private mapping) and every
+  tensor is a zero-copy view at the byte offsets of the header.  Nothing is read until a
+  page is touched, so loading on CPU runs at page-cache speed and a tensor used in the
+  same dtype on CPU costs no copy (some safetensors versions copy in ``get_tensor``;
+  these views do not depend on the version).
+- torch pickles (``.bin``/``.pt``/``.pth``): ``torch.load(weights_only=True)`` always, with
+  ``mmap=True`` for the zip format.  A pickle that needs to run code is refused.
+- a sharded checkpoint's ``*.index.json`` (``{"weight_map": {tensor: shard file}}``), whose
+  shard paths must stay inside the index's folder.
+- a folder holding one index or one weights file (safetensors preferred over pickles).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import struct
+import zipfile
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ._devices import DeviceSpec, torch_device
+from ._tensors import device_of
+
+logger = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+SAFETENSORS_SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".index.json"
+# The names transformers writes; in a folder with several candidates, one of these wins.
+STANDARD_NAMES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+
+# safetensors dtype codes (format spec) → torch dtypes; codes torch lacks are left out.
+_ST_CODES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64", "C64": "complex64", "C128": "complex128",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+}  # fmt: skip
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    code: getattr(torch, name)
+    for code, name in _ST_CODES.items()
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one checkpoint tensor lives and what it is, known without reading its data.
+
+    Attributes:
+        name: key in the checkpoint.
+        dtype: stored dtype.
+        shape: stored shape.
+        file: the file holding it.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+
+    @property
+    def is_safetensors(self) -> bool:
+        return self.file.suffix == SAFETENSORS_SUFFIX
+
+
+# ---------------------------------------------------------------- resolution
+
+
+def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
+    """The weight files of a checkpoint, in reading order.
+
+    Args:
+        checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, a ``*.index.json``
+            of a sharded checkpoint, or a folder holding exactly one index or one weights file.
+
+    Returns:
+        Absolute paths of the weight files (shards in the order the index first names them).
+
+    Raises:
+        FileNotFoundError: the checkpoint, or a shard named by its index, does not exist.
+        ValueError: unknown file type; a folder with no or several candidates (names them);
+            an index entry whose shard path leaves the checkpoint folder (names the entry).
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist; pass a weights file, an index or a folder.")
+    if path.is_dir():
+        path = _pick_in_folder(path)
+    if path.name.endswith(INDEX_SUFFIX):
+        return _index_shards(path)
+    if path.suffix in (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES):
+        return [path.resolve()]
+    raise ValueError(
+        f"Checkpoint file {str(path)!r} has an unknown type; expected .safetensors, .bin, .pt, .pth or *.index.json."
+    )
+
+
+def _pick_in_folder(folder: Path) -> Path:
+    """The one index or weights file of a folder, safetensors first, standard names before others."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    tiers = [
+        [n for n in names if n.endswith(SAFETENSORS_SUFFIX + INDEX_SUFFIX)],
+        [n for n in names if n.endswith(SAFETENSORS_SUFFIX)],
+        [n for n in names if n.endswith(INDEX_SUFFIX) and not n.endswith(SAFETENSORS_SUFFIX + INDEX_SUFFIX)],
+        [n for n in names if n.endswith(PICKLE_SUFFIXES)],
+    ]
+    for found in tiers:
+        if len(found) == 1:
+            return folder / found[0]
+        standard = [n for n in found if n in STANDARD_NAMES]
+        if len(standard) == 1:
+            return folder / standard[0]
+        if len(found) > 1:
+            raise ValueError(
+                f"Checkpoint folder {str(folder)!r} holds several candidate checkpoints: {found}; "
+                "pass the file (or *.index.json) to load instead of the folder."
+            )
+    raise ValueError(
+        f"Checkpoint folder {str(folder)!r} holds no weights: no *.index.json, .safetensors, .bin, .pt or .pth "
+        f"file (found: {names[:20]}); pass the path of the weights file."
+    )
+
+
+def _index_shards(index_path: Path) -> list[Path]:
+    """Validate a sharded checkpoint's index and return its shard files."""
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"Index {str(index_path)!r} is not a sharded-checkpoint index (JSON with a 'weight_map' object): {err}"
+        ) from err
+    if not isinstance(weight_map, Mapping):
+        raise ValueError(f"Index {str(index_path)!r}: 'weight_map' must map tensor names to shard file names.")
+    folder = index_path.parent.resolve()
+    shards: dict[str, Path] = {}
+    for key, shard in weight_map.items():
+        if shard in shards:
+            continue
+        if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise ValueError(
+                f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r} outside the checkpoint folder; "
+                "shard paths must be file names relative to the index's folder."
+            )
+        resolved = (folder / shard).resolve()
+        if not resolved.is_relative_to(folder):
+            raise ValueError(
+                f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r}, which resolves outside the "
+                f"checkpoint folder ({resolved}); copy the shard into {folder}."
+            )
+        if not resolved.is_file():
+            raise FileNotFoundError(
+                f"Index {str(index_path)!r}: shard {shard!r} (for {key!r}) is missing from {folder}; "
+                "download or copy the missing shard."
+            )
+        shards[shard] = resolved
+    return list(shards.values())
+
+
+# ---------------------------------------------------------------- safetensors
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file mapped into memory once; tensors are zero-copy views.
+
+    Args:
+        path: the file.
+
+    Raises:
+        ValueError: the file is truncated or its header is corrupted (names the file).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.entries, self._data_start = _read_header(self.path)
+        self._storage: torch.UntypedStorage | None = None
+
+    def infos(self) -> dict[str, TensorInfo]:
+        """Name → :class:`TensorInfo` for every tensor of the file, in offset order."""
+        return {
+            name: TensorInfo(name, SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"]), self.path)
+            for name, e in self.entries.items()
+        }
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as a view of the mapped file (copied only if its offset is misaligned).
+
+        Raises:
+            KeyError: ``name`` is not in the file.
+        """
+        if name not in self.entries:
+            raise KeyError(f"{name!r} is not a tensor of {str(self.path)!r}.")
+        entry = self.entries[name]
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        shape = tuple(entry["shape"])
+        start, end = entry["data_offsets"]
+        if end == start:
+            return torch.empty(shape, dtype=dtype)
+        if self._storage is None:
+            size = self.path.stat().st_size
+            self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=size)
+        offset = self._data_start + start
+        itemsize = dtype.itemsize
+        if offset % itemsize == 0:
+            return torch.empty(0, dtype=dtype).set_(self._storage, offset // itemsize, shape)
+        logger.debug("%s: tensor %r is misaligned in the file; copying it.", self.path, name)
+        raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, offset, (end - start,))
+        return raw.clone().view(dtype).reshape(shape)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.entries:
+            yield name, self.tensor(name)
+
+
+def _read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """Validate ``path`` with safetensors, then return its entries (offset order) and data start (bytes)."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            names = list(handle.keys())
+    except Exception as err:  # safetensors raises its own SafetensorError (not exported everywhere)
+        raise ValueError(
+            f"Checkpoint file {str(path)!r} is not a valid safetensors file ({err}); it may be truncated or "
+            "corrupted: download or save it again."
+        ) from err
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    if set(header) != set(names):
+        raise ValueError(f"Checkpoint file {str(path)!r} has an inconsistent header; save it again.")
+    unknown = sorted({e["dtype"] for e in header.values()} - set(SAFETENSORS_DTYPES))
+    if unknown:
+        raise ValueError(f"Checkpoint file {str(path)!r} uses dtypes this torch cannot read: {unknown}; upgrade torch.")
+    ordered = dict(sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]))
+    return ordered, 8 + length
+
+
+# ---------------------------------------------------------------- torch pickles
+
+
+def load_torch_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load a torch pickle with ``weights_only=True`` (memory-mapped when it is a zip file).
+
+    Raises:
+        pickle.UnpicklingError: the pickle would need to run code (names the file and the fix).
+        ValueError: the file is corrupted or not a torch checkpoint of tensors.
+    """
+    path = Path(path)
+    mmap = zipfile.is_zipfile(path)
+    try:
+        loaded = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL \S+", str(err))
+        if found is None:
+            reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+            raise ValueError(
+                f"Checkpoint file {str(path)!r} is not a readable torch checkpoint "
+                f"({reason.group(1) if reason else 'unpickling failed'}); it may be corrupted: save it again."
+            ) from err
+        raise pickle.UnpicklingError(
+            f"Refusing to load {str(path)!r}: it is not a plain tensor pickle and unpickling it could run code "
+            f"({found.group(0)}). Convert it to .safetensors from a trusted source."
+        ) from err
+    except (RuntimeError, EOFError, OSError) as err:
+        raise ValueError(
+            f"Checkpoint file {str(path)!r} is not a readable torch checkpoint ({err}); save it again."
+        ) from err
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"Checkpoint file {str(path)!r} holds a {type(loaded).__name__}, not a state dict of tensors.")
+    tensors = {}
+    for name, value in loaded.items():
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+        else:
+            logger.warning("%s: skipping %r, which is a %s and not a tensor.", path, name, type(value).__name__)
+    return tensors
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_tensor_infos(
+    files: Iterable[Path], keep_loaded: dict[Path, dict[str, torch.Tensor]] | None = None
+) -> dict[str, TensorInfo]:
+    """Name, dtype, shape and file of every tensor of a checkpoint, validating each file.
+
+    Safetensors files are read from their header only; torch pickles are memory-mapped
+    when possible.  A name in several files keeps its first file (a warning is logged).
+
+    Args:
+        files: the weight files (from :func:`resolve_checkpoint_files`).
+        keep_loaded: if given, memory-mapped pickles loaded here are kept in it (path →
+            tensors) so that :func:`iter_checkpoint_tensors` need not unpickle them again.
+
+    Raises:
+        ValueError / pickle.UnpicklingError: a file is corrupted or unsafe (names the file).
+    """
+    infos: dict[str, TensorInfo] = {}
+    for path in files:
+        if path.suffix == SAFETENSORS_SUFFIX:
+            file_infos = SafetensorsFile(path).infos()
+        else:
+            tensors = load_torch_file(path)
+            file_infos = {n: TensorInfo(n, t.dtype, tuple(t.shape), path) for n, t in tensors.items()}
+            if keep_loaded is not None and zipfile.is_zipfile(path):  # mapped, so keeping it costs no RAM
+                keep_loaded[path] = tensors
+            del tensors
+        for name, info in file_infos.items():
+            if name in infos:
+                logger.warning("Tensor %r is in both %s and %s; using the first.", name, infos[name].file, path)
+                continue
+            infos[name] = info
+    return infos
+
+
+def iter_file_tensors(
+    path: Path, loaded: dict[Path, dict[str, torch.Tensor]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for one weights file, lazily (CPU tensors, memory-mapped when possible).
+
+    ``loaded`` holds pickles already loaded by :func:`read_tensor_infos` (consumed here).
+    """
+    if path.suffix == SAFETENSORS_SUFFIX:
+        yield from SafetensorsFile(path)
+    else:
+        tensors = (loaded or {}).pop(path, None) or load_torch_file(path)
+        while tensors:
+            name = next(iter(tensors))
+            yield name, tensors.pop(name)
+
+
+def iter_checkpoint_tensors(
+    files: Iterable[Path], loaded: dict[Path, dict[str, torch.Tensor]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of every file, one tensor at a time, on CPU.
+
+    Tensors are views of memory-mapped files where the format allows (safetensors, zip
+    pickles); a name seen in an earlier file is skipped.  ``loaded``: see :func:`read_tensor_infos`.
+    """
+    seen: set[str] = set()
+    for path in files:
+        for name, tensor in iter_file_tensors(Path(path), loaded):
+            if name not in seen:
+                seen.add(name)
+                yield name, tensor
+
+
+def load_state_dict(
+    checkpoint_file: str | os.PathLike, device_map: Mapping[str, DeviceSpec] | None = None
+) -> dict[str, torch.Tensor]:
+    """Load one weights file as a state dict, tensor by tensor.
+
+    Args:
+        checkpoint_file: a ``.safetensors`` file (tensors are zero-copy views of the mapped
+            file) or a torch pickle (loaded with ``weights_only=True``, memory-mapped when zip).
+        device_map: optional map module/tensor name → device; each tensor goes to its device
+            (``"disk"`` and names the map does not cover stay on CPU).
+
+    Returns:
+        Name → tensor.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError / pickle.UnpicklingError: the file is corrupted, unsafe or of an unknown type.
+    """
+    path = Path(checkpoint_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"Checkpoint file {str(path)!r} does not exist; pass the path of one weights file.")
+    if path.suffix not in (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES):
+        raise ValueError(f"{str(path)!r} is not a .safetensors, .bin, .pt or .pth file; use load_checkpoint_in_model.")
+    state_dict = {}
+    for name, tensor in iter_file_tensors(path):
+        if device_map is not None:
+            try:
+                device = device_of(name, device_map)
+            except KeyError:
+                device = "cpu"
+            if device not in ("cpu", "disk", "meta"):
+                tensor = tensor.to(torch_device(device))
+        state_dict[name] = tensor
+    return state_dict

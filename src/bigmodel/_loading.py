@@ -1,0 +1,331 @@
+"""``load_checkpoint_in_model``: stream a checkpoint straight onto the devices of a device map.
+
+The load runs in three steps:
+
+1. *plan* (nothing touched yet): resolve the files, read every tensor's dtype and shape
+   from the headers, compare them with the model (missing/unexpected keys, shapes), and
+   decide each tensor's device and dtype;
+2. *stream*: read the checkpoint one tensor at a time; each goes to its device (a
+   zero-copy view on CPU when its dtype is unchanged) or to the offload folder (a pointer
+   into the safetensors file when possible, else a ``.dat`` file);
+3. *commit*: write the offload index atomically and re-tie tied parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ._checkpoint import TensorInfo, iter_checkpoint_tensors, read_tensor_infos, resolve_checkpoint_files
+from ._devices import DeviceSpec, normalize_device, torch_device
+from ._offload import OffloadWriter, load_offloaded_weight
+from ._progress import ByteProgress
+from ._sizes import to_dtype
+from ._tensors import device_of, find_tied_parameters, retie_parameters, set_module_tensor_to_device
+
+logger = logging.getLogger(__name__)
+
+_MAX_LISTED_KEYS = 20
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one model tensor goes: ``device`` (``"disk"`` included) and the dtype to store it in."""
+
+    device: torch.device | str  # "disk" or a torch device
+    dtype: torch.dtype
+
+
+@dataclass
+class _Plan:
+    infos: dict[str, TensorInfo]
+    targets: dict[str, _Target]
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # checkpoint key → tied names it also fills
+    tied_groups: list[list[str]] = field(default_factory=list)
+    loaded: dict[Path, dict[str, torch.Tensor]] = field(default_factory=dict)  # mapped pickles, read once
+
+
+def load_checkpoint_in_model(
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    device_map: Mapping[str, DeviceSpec] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
+    keep_in_fp32_modules: Sequence[str] | None = None,
+    offload_8bit_bnb: bool = False,
+    strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
+) -> None:
+    """Load a checkpoint into ``model``, each tensor straight onto the device the map gives it.
+
+    Args:
+        model: the model, usually built under :func:`bigmodel.init_empty_weights`.
+        checkpoint: a weights file, a sharded checkpoint's ``*.index.json``, or a folder
+            holding one of them.
+        device_map: module/tensor name → device (``"disk"`` → ``offload_folder``).  Without a
+            map, each tensor goes to the device of the model's tensor (CPU for ``meta``) and
+            takes the model's dtype; with a map, the checkpoint's dtype is kept.
+        offload_folder: where ``"disk"`` tensors go (``index.json`` + ``.dat`` files, or
+            pointers into the safetensors checkpoint when the dtype is unchanged).
+        dtype: dtype for floating tensors (int/bool keep theirs).
+        offload_state_dict: spill CPU tensors that need a cast to a temporary folder while
+            loading and map them back at the end (caps anonymous RAM to about one tensor).
+        offload_buffers: also put buffers mapped to ``"disk"`` on disk (by default they go to CPU).
+        keep_in_fp32_modules: module names (a name segment or a dotted prefix) whose floating
+            tensors stay float32.
+        offload_8bit_bnb: accepted for compatibility; bitsandbytes weights are stored as they are.
+        strict: raise on missing or unexpected keys instead of logging them.
+        full_state_dict: with ``broadcast_from_rank0``, gather loaded values (else keep them sharded).
+        broadcast_from_rank0: read on rank 0 and broadcast to the other ranks.
+
+    Raises:
+        FileNotFoundError: the checkpoint or one of its shards is missing.
+        ValueError: corrupted checkpoint, shape mismatch (names the key and both shapes),
+            ``"disk"`` in the map without ``offload_folder``, missing/unexpected keys with
+            ``strict=True``.  All of these are raised before the model is modified.
+        PermissionError: the offload folder is not writable.
+    """
+    if broadcast_from_rank0:
+        from ._distributed import load_checkpoint_broadcast
+
+        return load_checkpoint_broadcast(
+            model, checkpoint, device_map=device_map, dtype=dtype,
+            keep_in_fp32_modules=keep_in_fp32_modules, strict=strict, full_state_dict=full_state_dict,
+        )  # fmt: skip
+    if offload_8bit_bnb:
+        logger.debug("offload_8bit_bnb: bitsandbytes weights are offloaded as stored.")
+    files = resolve_checkpoint_files(checkpoint)
+    fp32 = keep_in_fp32_modules or ()
+    plan = _make_plan(model, files, device_map, _floating_dtype(dtype), fp32, strict, offload_buffers)
+    writer = _disk_writer(plan, offload_folder, files)
+    spill = OffloadWriter(tempfile.mkdtemp(prefix="bigmodel-spill-")) if offload_state_dict else None
+    try:
+        _stream(model, files, plan, writer, spill)
+        if writer is not None:
+            writer.commit()
+        if spill is not None:
+            spill.commit()
+            _bring_back(model, spill)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        if spill is not None:
+            shutil.rmtree(spill.folder, ignore_errors=True)
+    _retie(model, plan)
+
+
+# ---------------------------------------------------------------- planning (nothing modified)
+
+
+def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    resolved = to_dtype(dtype)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not a floating torch dtype; pass e.g. torch.float16 or 'bfloat16'.")
+    return resolved
+
+
+def _make_plan(
+    model: nn.Module,
+    files: list[Path],
+    device_map: Mapping[str, DeviceSpec] | None,
+    dtype: torch.dtype | None,
+    keep_in_fp32: Sequence[str],
+    strict: bool,
+    offload_buffers: bool,
+) -> _Plan:
+    loaded: dict[Path, dict[str, torch.Tensor]] = {}
+    infos = read_tensor_infos(files, keep_loaded=loaded)
+    expected = model.state_dict(keep_vars=True)
+    buffers = {name for name, _ in model.named_buffers()}
+    plan = _Plan(infos=infos, targets={}, tied_groups=find_tied_parameters(model), loaded=loaded)
+    for group in plan.tied_groups:
+        present = [n for n in group if n in infos]
+        absent = [n for n in group if n not in infos and n in expected]
+        if present and absent:
+            plan.aliases.setdefault(present[0], []).extend(absent)
+    filled = {n for names in plan.aliases.values() for n in names}
+    missing = sorted(set(expected) - set(infos) - filled)
+    unexpected = sorted(set(infos) - set(expected))
+    _report_keys(missing, unexpected, strict)
+    _check_shapes(expected, infos, plan.aliases)
+    for name, tensor in expected.items():
+        source = infos.get(name) or next((infos[k] for k, v in plan.aliases.items() if name in v), None)
+        if source is None:
+            continue
+        device = _device_for(name, tensor, device_map, buffers, offload_buffers)
+        plan.targets[name] = _Target(device, _dtype_for(name, tensor, source, device_map, dtype, keep_in_fp32))
+    return plan
+
+
+def _report_keys(missing: list[str], unexpected: list[str], strict: bool) -> None:
+    if not missing and not unexpected:
+        return
+    labelled = (("missing", missing), ("unexpected", unexpected))
+    parts = [f"{label} keys ({len(keys)}): {_listed(keys)}" for label, keys in labelled if keys]
+    if strict:
+        raise ValueError(
+            "The checkpoint does not match the model; " + "; ".join(parts)
+            + ". Load the matching checkpoint, or pass strict=False to load what matches."
+        )
+    for part in parts:
+        logger.warning("Loading checkpoint: %s", part)
+
+
+def _listed(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
+    return shown + (f" ... and {len(keys) - _MAX_LISTED_KEYS} more" if len(keys) > _MAX_LISTED_KEYS else "")
+
+
+def _check_shapes(
+    expected: Mapping[str, torch.Tensor], infos: Mapping[str, TensorInfo], aliases: Mapping[str, list[str]]
+) -> None:
+    pairs = [(n, n) for n in infos if n in expected] + [(a, k) for k, names in aliases.items() for a in names]
+    bad = [
+        f"{name!r}: checkpoint {list(infos[key].shape)} vs model {list(expected[name].shape)}"
+        for name, key in sorted(pairs)
+        if tuple(expected[name].shape) != infos[key].shape
+    ]
+    if bad:
+        raise ValueError(
+            f"Shape mismatch between the checkpoint and the model for {len(bad)} tensor(s): {_listed(bad)}. "
+            "Build the model from the checkpoint's config."
+        )
+
+
+def _device_for(
+    name: str,
+    tensor: torch.Tensor,
+    device_map: Mapping[str, DeviceSpec] | None,
+    buffers: set[str],
+    offload_buffers: bool,
+) -> torch.device | str:
+    if device_map is None:
+        return torch.device("cpu") if tensor.device.type == "meta" else tensor.device
+    device = device_of(name, device_map)
+    if device == "disk":
+        return torch.device("cpu") if name in buffers and not offload_buffers else "disk"
+    normalize_device(device)  # ValueError naming a bad spec, before anything is placed
+    return torch_device(device)
+
+
+def _dtype_for(
+    name: str,
+    tensor: torch.Tensor,
+    source: TensorInfo,
+    device_map: Mapping[str, DeviceSpec] | None,
+    dtype: torch.dtype | None,
+    keep_in_fp32: Sequence[str],
+) -> torch.dtype:
+    """The dtype a floating tensor is stored in; non-floating tensors keep the checkpoint's."""
+    if not source.dtype.is_floating_point:
+        return source.dtype
+    if keep_in_fp32 and _matches_module(name, keep_in_fp32):
+        return torch.float32
+    if dtype is not None:
+        return dtype
+    if device_map is None and tensor.is_floating_point():
+        return tensor.dtype
+    return source.dtype
+
+
+def _matches_module(name: str, modules: Iterable[str]) -> bool:
+    """True if one of ``modules`` is a name segment or a dotted run of segments of ``name``."""
+    dotted = f".{name}."
+    return any(f".{m.strip('.')}." in dotted for m in modules if m)
+
+
+def _disk_writer(plan: _Plan, offload_folder: str | os.PathLike | None, files: list[Path]) -> OffloadWriter | None:
+    disk = sorted(n for n, t in plan.targets.items() if t.device == "disk")
+    if not disk:
+        return None
+    if offload_folder is None:
+        raise ValueError(
+            f"The device map puts {len(disk)} tensor(s) on 'disk' ({_listed(disk)}) but no offload_folder was "
+            "given; pass offload_folder=<a writable folder>."
+        )
+    folder = Path(offload_folder).resolve()
+    if any(folder == f.parent for f in files):
+        raise ValueError(
+            f"offload_folder {str(folder)!r} is the checkpoint's folder; bigmodel never writes there: "
+            "pass another offload_folder."
+        )
+    return OffloadWriter(folder)
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def _stream(
+    model: nn.Module, files: list[Path], plan: _Plan, writer: OffloadWriter | None, spill: OffloadWriter | None
+) -> None:
+    """Read the checkpoint tensor by tensor and send each to its device, the offload folder or the spill."""
+    total = sum(i.dtype.itemsize * torch.Size(i.shape).numel() for i in plan.infos.values())
+    with ByteProgress(total, "Loading checkpoint") as bar:
+        for key, tensor in iter_checkpoint_tensors(files, plan.loaded):
+            first: str | None = None
+            for name in (key, *plan.aliases.get(key, ())):
+                target = plan.targets.get(name)
+                if target is None:
+                    continue
+                if target.device == "disk":
+                    _to_folder(writer, name, key, tensor, plan.infos[key], target, first)
+                    first = first or name
+                elif spill is not None and tensor.dtype != target.dtype and target.device.type == "cpu":
+                    spill.write(name, tensor.to(target.dtype))
+                else:
+                    set_module_tensor_to_device(
+                        model, name, target.device, value=tensor, dtype=target.dtype, clear_cache=False
+                    )
+            bar.update(tensor.nbytes)
+
+
+def _to_folder(
+    writer: OffloadWriter,
+    name: str,
+    key: str,
+    tensor: torch.Tensor,
+    info: TensorInfo,
+    target: _Target,
+    first: str | None,
+) -> None:
+    """Offload one tensor: a pointer into safetensors when the dtype is unchanged, else a ``.dat`` file."""
+    if first is not None and writer.index[first]["dtype"] == str(target.dtype).removeprefix("torch."):
+        writer.duplicate(name, first)
+    elif info.is_safetensors and tensor.dtype == target.dtype:
+        writer.point(name, info.file, key, tensor.dtype, tensor.shape)
+    else:
+        writer.write(name, tensor.to(target.dtype))
+
+
+def _bring_back(model: nn.Module, spill: OffloadWriter) -> None:
+    """Map the spilled CPU tensors back into the model (zero-copy views of the spill files)."""
+    for name, info in spill.index.items():
+        value = load_offloaded_weight(spill.folder / f"{name}.dat", info)
+        set_module_tensor_to_device(model, name, "cpu", value=value, dtype=value.dtype, clear_cache=False)
+
+
+def _retie(model: nn.Module, plan: _Plan) -> None:
+    """Re-tie groups whose members all landed on one (non-disk) device; warn about split groups."""
+    for group in plan.tied_groups:
+        devices = {str(plan.targets[n].device) for n in group if n in plan.targets}
+        if len(devices) == 1 and devices != {"disk"}:
+            retie_parameters(model, [group])
+        elif len(devices) > 1:
+            logger.warning(
+                "Tied parameters %s were mapped to different devices %s; they are no longer tied.", group, sorted(devices)
+            )
