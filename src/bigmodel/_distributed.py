@@ -37,7 +37,7 @@ from ._checkpoint import TensorInfo, _read_header, load_torch_file, read_tensor_
 from ._devices import accelerator_type
 from ._sizes import to_dtype
 from ._tensors import device_of, find_tied_parameters, get_submodule_and_name, retie_parameters
-from ._tensors import set_module_tensor_to_device
+from ._tensors import loaded_dtype, set_module_tensor_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -441,16 +441,14 @@ def _target_dtype(name: str, value: torch.Tensor, old: torch.Tensor | None, opti
     or dotted run of segments) → float32; else ``dtype``; else, without a device map, the
     model tensor's floating dtype; else the checkpoint's.
     """
-    if not value.is_floating_point():
-        return value.dtype
-    dotted = f".{name}."
-    if any(f".{m.strip('.')}." in dotted for m in options.keep_in_fp32 if m):
-        return torch.float32
-    if options.dtype is not None:
-        return options.dtype
-    if not options.device_map and old is not None and old.is_floating_point():
-        return old.dtype
-    return value.dtype
+    return loaded_dtype(
+        name,
+        value.dtype,
+        old,
+        dtype=options.dtype,
+        keep_in_fp32=options.keep_in_fp32,
+        use_model_dtype=not options.device_map,
+    )
 
 
 def _place_dtensor(submodule: nn.Module, attr: str, old, full: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from ._devices import DeviceSpec, normalize_device, torch_device
 from ._offload import OffloadWriter, load_offloaded_weight
 from ._progress import ByteProgress
 from ._sizes import to_dtype
-from ._tensors import device_of, find_tied_parameters, retie_parameters, set_module_tensor_to_device
+from ._tensors import device_of, find_tied_parameters, loaded_dtype, retie_parameters, set_module_tensor_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -231,22 +231,10 @@ def _dtype_for(
     dtype: torch.dtype | None,
     keep_in_fp32: Sequence[str],
 ) -> torch.dtype:
-    """The dtype a floating tensor is stored in; non-floating tensors keep the checkpoint's."""
-    if not source.dtype.is_floating_point:
-        return source.dtype
-    if keep_in_fp32 and _matches_module(name, keep_in_fp32):
-        return torch.float32
-    if dtype is not None:
-        return dtype
-    if device_map is None and tensor.is_floating_point():
-        return tensor.dtype
-    return source.dtype
-
-
-def _matches_module(name: str, modules: Iterable[str]) -> bool:
-    """True if one of ``modules`` is a name segment or a dotted run of segments of ``name``."""
-    dotted = f".{name}."
-    return any(f".{m.strip('.')}." in dotted for m in modules if m)
+    """The dtype a tensor is stored in (see :func:`bigmodel._tensors.loaded_dtype`)."""
+    return loaded_dtype(
+        name, source.dtype, tensor, dtype=dtype, keep_in_fp32=keep_in_fp32, use_model_dtype=device_map is None
+    )
 
 
 def _disk_writer(plan: _Plan, offload_folder: str | os.PathLike | None, files: list[Path]) -> OffloadWriter | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -238,3 +238,39 @@ def get_module_size_with_ties(
         modules.append(owner[1])
         total += module_sizes.get(owner[0], 0) - module_sizes.get(tied, 0)
     return total, names, modules
+
+
+def matches_module(name: str, modules: Iterable[str]) -> bool:
+    """True if one of ``modules`` is a name segment or a dotted run of segments of ``name``.
+
+    ``matches_module("model.layers.0.mlp.up.weight", ["mlp"])`` and ``[..., "layers.0"]`` are True;
+    ``["mlp.up.w"]`` is not (segments match whole).
+    """
+    dotted = f".{name}."
+    return any(f".{m.strip('.')}." in dotted for m in modules if m)
+
+
+def loaded_dtype(
+    name: str,
+    source_dtype: torch.dtype,
+    model_tensor: torch.Tensor | None,
+    *,
+    dtype: torch.dtype | None,
+    keep_in_fp32: Iterable[str],
+    use_model_dtype: bool,
+) -> torch.dtype:
+    """The dtype a checkpoint tensor is stored in once loaded (the rule of ``load_checkpoint_in_model``).
+
+    Non-floating tensors keep the checkpoint's dtype; tensors under ``keep_in_fp32`` modules
+    become float32; else ``dtype`` if given; else, with ``use_model_dtype`` (no device map),
+    the model tensor's floating dtype; else the checkpoint's dtype.
+    """
+    if not source_dtype.is_floating_point:
+        return source_dtype
+    if matches_module(name, keep_in_fp32):
+        return torch.float32
+    if dtype is not None:
+        return dtype
+    if use_model_dtype and model_tensor is not None and model_tensor.is_floating_point():
+        return model_tensor.dtype
+    return source_dtype
