@@ -1,0 +1,333 @@
+"""Attaching device-alignment hooks to a model, ``CpuOffload`` and ``align_module_device``.
+
+The hook itself lives in :mod:`bigmodel._align_hook`; this module decides which module gets
+which hook (per module, per block of a device map) and holds the whole-model offload hook
+used by ``cpu_offload_with_hook``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._align_hook import AlignDevicesHook, OffloadedParameter, has_offloaded_params, offload_hook_of
+from ._devices import accelerator_count, accelerator_type
+from ._hook_registry import ModelHook, add_hook_to_module, remove_hook_from_module
+from ._moving import send_to_device
+from ._tensors import named_module_tensors
+
+__all__ = [
+    "AlignDevicesHook",
+    "CpuOffload",
+    "OffloadedParameter",
+    "UserCpuOffloadHook",
+    "align_module_device",
+    "attach_align_device_hook",
+    "attach_align_device_hook_on_blocks",
+    "attach_execution_device_hook",
+    "has_offloaded_params",
+]
+
+
+def default_execution_device() -> torch.device:
+    """The first accelerator if torch sees one, else the CPU."""
+    if accelerator_count() > 0:
+        return torch.device(accelerator_type(), 0)  # type: ignore[arg-type]
+    return torch.device("cpu")
+
+
+def _prefixed(weights_map: Mapping[str, torch.Tensor] | None, module_name: str) -> Mapping[str, torch.Tensor] | None:
+    if weights_map is None:
+        return None
+    from ._offload import PrefixedDataset
+
+    return PrefixedDataset(weights_map, f"{module_name}." if module_name else "")
+
+
+class CpuOffload(ModelHook):
+    """Moves the whole module to ``execution_device`` at its forward; it stays there until offloaded.
+
+    Args:
+        execution_device: where the forward runs (default: the first accelerator, else the CPU).
+        prev_module_hook: a :class:`UserCpuOffloadHook` whose model is sent back to the CPU
+            when this module's forward starts (chains of models run one after another).
+    """
+
+    def __init__(self, execution_device: Any = None, prev_module_hook: UserCpuOffloadHook | None = None) -> None:
+        self.execution_device = execution_device if execution_device is not None else default_execution_device()
+        self.prev_module_hook = prev_module_hook
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        return module.to("cpu")
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if self.prev_module_hook is not None:
+            self.prev_module_hook.offload()
+        module.to(self.execution_device)
+        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+
+
+class UserCpuOffloadHook:
+    """Handle returned by ``cpu_offload_with_hook``: ``offload()`` sends the model back to the CPU,
+    ``remove()`` removes the hook."""
+
+    def __init__(self, model: nn.Module, hook: ModelHook) -> None:
+        self.model = model
+        self.hook = hook
+
+    def offload(self) -> None:
+        """Move the model back to the CPU (it comes back to the device at its next forward)."""
+        self.hook.init_hook(self.model)
+
+    def remove(self) -> None:
+        """Remove the hook from the model (the model stays where it is)."""
+        remove_hook_from_module(self.model)
+
+
+def _is_preloaded(module: nn.Module, preload_module_classes: Sequence[str] | None) -> bool:
+    return bool(preload_module_classes) and type(module).__name__ in preload_module_classes  # type: ignore[operator]
+
+
+def attach_execution_device_hook(
+    module: nn.Module,
+    execution_device: Any,
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    tied_params_map: dict | None = None,
+) -> None:
+    """Give every module with tensors, and no hook yet, a hook moving its inputs to ``execution_device``.
+
+    Args:
+        module: root of the subtree.
+        execution_device: device spec for the inputs.
+        skip_keys: input mapping keys never moved.
+        preload_module_classes: class names whose subtree is not descended into.
+        tied_params_map: shared tied-weights cache (see :class:`AlignDevicesHook`).
+    """
+    if "_hf_hook" not in module.__dict__ and (module._parameters or module._buffers or _has_tensors(module)):
+        hook = AlignDevicesHook(execution_device, skip_keys=skip_keys, tied_params_map=tied_params_map)
+        add_hook_to_module(module, hook)
+    if _is_preloaded(module, preload_module_classes):
+        return
+    for child in module.children():
+        attach_execution_device_hook(child, execution_device, skip_keys, preload_module_classes, tied_params_map)
+
+
+def _has_tensors(module: nn.Module) -> bool:
+    return next(iter(module.state_dict(keep_vars=True)), None) is not None
+
+
+def attach_align_device_hook(
+    module: nn.Module,
+    execution_device: Any = None,
+    offload: bool = False,
+    weights_map: Mapping[str, torch.Tensor] | None = None,
+    offload_buffers: bool = False,
+    module_name: str = "",
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    tied_params_map: dict | None = None,
+) -> None:
+    """Attach an :class:`AlignDevicesHook` to every module of the subtree that has its own tensors.
+
+    Modules whose class is in ``preload_module_classes`` get one hook for their whole subtree
+    (all its weights loaded at the start of their forward).
+
+    Args:
+        module: root of the subtree.
+        execution_device: where the forwards run.
+        offload: offload the weights (kept in ``weights_map``, on ``meta`` between forwards).
+        weights_map: Mapping of the whole model's names → values (a prefix is applied per module).
+        offload_buffers: offload buffers too.
+        module_name: name of ``module`` inside the model (prefix into ``weights_map``).
+        skip_keys: input/output mapping keys never moved.
+        preload_module_classes: class names loaded as one block.
+        tied_params_map: shared tied-weights cache.
+    """
+    has_direct = next(named_module_tensors(module), None) is not None
+    full_offload = offload and _is_preloaded(module, preload_module_classes)
+    if has_direct or full_offload:
+        hook = AlignDevicesHook(
+            execution_device=execution_device,
+            offload=offload,
+            weights_map=_prefixed(weights_map, module_name),
+            offload_buffers=offload_buffers,
+            place_submodules=full_offload,
+            skip_keys=skip_keys,
+            tied_params_map=tied_params_map,
+        )
+        hook.module_name = module_name
+        add_hook_to_module(module, hook, append=True)
+    if full_offload:
+        return
+    for child_name, child in module.named_children():
+        attach_align_device_hook(
+            child,
+            execution_device=execution_device,
+            offload=offload,
+            weights_map=weights_map,
+            offload_buffers=offload_buffers,
+            module_name=f"{module_name}.{child_name}" if module_name else child_name,
+            skip_keys=skip_keys,
+            preload_module_classes=preload_module_classes,
+            tied_params_map=tied_params_map,
+        )
+
+
+def attach_align_device_hook_on_blocks(
+    module: nn.Module,
+    execution_device: Any = None,
+    offload: bool | Mapping[str, bool] = None,  # type: ignore[assignment]
+    weights_map: Mapping[str, torch.Tensor] | None = None,
+    offload_buffers: bool = False,
+    module_name: str = "",
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    tied_params_map: dict | None = None,
+) -> None:
+    """Attach hooks per block of a device map.
+
+    Args:
+        execution_device: a device spec, or a dict block name → device spec.
+        offload: a bool, or a dict block name → bool (offload that block's weights).
+        Others as in :func:`attach_align_device_hook`.  The root (``module_name == ""``) also
+        moves outputs back to the input device.
+    """
+    if not isinstance(execution_device, Mapping) and not isinstance(offload, Mapping):
+        if offload:
+            attach_align_device_hook(
+                module, execution_device, True, weights_map, offload_buffers, module_name, skip_keys,
+                preload_module_classes, tied_params_map,
+            )
+        else:
+            hook = AlignDevicesHook(
+                execution_device, io_same_device=True, skip_keys=skip_keys, place_submodules=True,
+                tied_params_map=tied_params_map,
+            )
+            add_hook_to_module(module, hook)
+        return
+    if not isinstance(execution_device, Mapping):
+        execution_device = {key: execution_device for key in offload}  # type: ignore[union-attr]
+    if not isinstance(offload, Mapping):
+        offload = {key: offload for key in execution_device}
+    _attach_block(module, execution_device, offload, weights_map, offload_buffers, module_name, skip_keys,
+                  preload_module_classes, tied_params_map)
+    for child_name, child in module.named_children():
+        attach_align_device_hook_on_blocks(
+            child, execution_device, offload, weights_map, offload_buffers,
+            f"{module_name}.{child_name}" if module_name else child_name, skip_keys, preload_module_classes,
+            tied_params_map,
+        )
+
+
+def _attach_block(module, execution_device, offload, weights_map, offload_buffers, module_name, skip_keys,
+                  preload_module_classes, tied_params_map) -> None:  # noqa: ANN001
+    is_root = module_name == ""
+    if module_name in execution_device and module_name in offload:
+        device = execution_device[module_name]
+        if not offload[module_name]:
+            hook = AlignDevicesHook(device, offload_buffers=offload_buffers, io_same_device=is_root,
+                                    place_submodules=True, skip_keys=skip_keys, tied_params_map=tied_params_map)
+            add_hook_to_module(module, hook)
+        else:
+            attach_align_device_hook(module, device, True, weights_map, offload_buffers, module_name, skip_keys,
+                                     preload_module_classes, tied_params_map)
+            if "_hf_hook" not in module.__dict__:
+                add_hook_to_module(module, AlignDevicesHook(device, io_same_device=is_root, skip_keys=skip_keys,
+                                                            tied_params_map=tied_params_map))
+            elif is_root:
+                _set_io_same_device(module)
+        attach_execution_device_hook(module, device, skip_keys, preload_module_classes, tied_params_map)
+    elif is_root:
+        hook = AlignDevicesHook(execution_device.get(""), io_same_device=True, skip_keys=skip_keys,
+                                tied_params_map=tied_params_map)
+        add_hook_to_module(module, hook)
+
+
+def _set_io_same_device(module: nn.Module) -> None:
+    hook = offload_hook_of(module)
+    if hook is not None:
+        hook.io_same_device = True
+
+
+@contextlib.contextmanager
+def align_module_device(module: nn.Module, execution_device: Any = None) -> Iterator[None]:
+    """Context manager: inside it, ``module``'s offloaded tensors are real tensors on ``execution_device``.
+
+    Changes made to them inside the context are kept: on exit, a value that differs from the
+    weights map's is stored back into the weights map (replacing the entry; the read-only
+    on-disk files are never written to).  A module without offloaded tensors is moved to
+    ``execution_device`` (if given) for the duration.
+
+    Args:
+        module: the module.
+        execution_device: device for the tensors (default: the hook's execution device).
+    """
+    hook = offload_hook_of(module)
+    if hook is None:
+        with _moved_temporarily(module, execution_device):
+            yield
+        return
+    original = hook.execution_device
+    if execution_device is not None:
+        hook.execution_device = execution_device
+    try:
+        values = {name: hook.weights_map[name] for name in hook.offloaded_names}  # type: ignore[index]
+        # Own copies: writes inside the context never reach a (read-only) mmap'd file.
+        hook.load_weights(module, {name: v.clone() for name, v in values.items()})
+        yield
+        _store_changes(module, hook, values)
+    finally:
+        hook.unload_weights(module)
+        hook.execution_device = original
+        if hook.prefetcher is not None:
+            hook.prefetcher.invalidate()
+
+
+def _store_changes(module: nn.Module, hook: AlignDevicesHook, values: Mapping[str, torch.Tensor]) -> None:
+    from ._tensors import get_submodule_and_name
+
+    for name, old in values.items():
+        sub, attr = get_submodule_and_name(module, name)
+        current = sub._parameters[attr] if attr in sub._parameters else sub._buffers[attr]
+        new = current.detach().to(old.device, old.dtype)
+        if not torch.equal(new, old):
+            _store(hook.weights_map, name, new)
+
+
+def _store(weights_map: Any, name: str, value: torch.Tensor) -> None:
+    """Replace the entry ``name`` of a (possibly prefixed, possibly read-only) weights map."""
+    dataset, prefix = weights_map, ""
+    while hasattr(dataset, "dataset") and hasattr(dataset, "prefix"):
+        prefix += dataset.prefix
+        dataset = dataset.dataset
+    key = prefix + name
+    if hasattr(dataset, "__setitem__"):
+        dataset[key] = value
+    elif isinstance(getattr(dataset, "state_dict", None), dict):
+        dataset.state_dict[key] = value  # OffloadedWeightsLoader: an in-memory entry shadows the disk one
+    else:
+        raise TypeError(
+            f"Cannot store the changed value of {key!r}: the weights map {type(dataset).__name__} is read-only "
+            "and has no in-memory `state_dict`; use a dict or an OffloadedWeightsLoader as weights map."
+        )
+
+
+@contextlib.contextmanager
+def _moved_temporarily(module: nn.Module, execution_device: Any) -> Iterator[None]:
+    if execution_device is None:
+        yield
+        return
+    devices = {name: t.device for name, t in named_module_tensors(module, recurse=True)}
+    module.to(execution_device)
+    try:
+        yield
+    finally:
+        from ._tensors import set_module_tensor_to_device
+
+        for name, device in devices.items():
+            set_module_tensor_to_device(module, name, device, clear_cache=False)

@@ -1,0 +1,290 @@
+"""The hook mechanism: ``ModelHook``, ``SequentialHook`` and attaching them to modules.
+
+A hooked module keeps two attributes other libraries read: ``module._hf_hook`` (the hook)
+and ``module._old_forward`` (the forward it had before).  ``module.forward`` becomes a small
+function that runs ``hook.pre_forward``, the old forward and ``hook.post_forward``.
+
+Everything this module patches onto a module instance is recorded in
+``module._bigmodel_patches`` (attribute name → previous instance value, or "absent"), so
+:func:`remove_hook_from_module` restores exactly what was there.  The patched forward holds
+its module through a weak reference: a hooked module is not part of a reference cycle,
+and ``del model`` frees its memory at once, without waiting for ``gc.collect()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_ABSENT = object()  # marks "the instance had no such attribute" in a patch record
+_PATCHES = "_bigmodel_patches"
+
+
+class ModelHook:
+    """Base class of hooks run around a module's forward.
+
+    Subclasses override any of the four methods.  ``no_grad = True`` runs the module's
+    forward under :func:`torch.no_grad`.
+    """
+
+    no_grad = False
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        """Called once when the hook is attached; returns the module (possibly changed)."""
+        return module
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        """Called before the forward; returns the ``(args, kwargs)`` the forward receives."""
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        """Called after the forward; returns what the module call returns."""
+        return output
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        """Called when the hook is removed; undoes what :meth:`init_hook` changed."""
+        return module
+
+
+class SequentialHook(ModelHook):
+    """Several hooks run in order (``pre_forward`` first to last, ``post_forward`` too).
+
+    Args:
+        *hooks: the hooks, in the order they run.
+    """
+
+    def __init__(self, *hooks: ModelHook) -> None:
+        self.hooks = list(hooks)
+
+    @property
+    def no_grad(self) -> bool:  # type: ignore[override]
+        return any(hook.no_grad for hook in self.hooks)
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        for hook in self.hooks:
+            module = hook.init_hook(module)
+        return module
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        for hook in self.hooks:
+            args, kwargs = hook.pre_forward(module, *args, **kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        for hook in self.hooks:
+            output = hook.post_forward(module, output)
+        return output
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        for hook in reversed(self.hooks):
+            module = hook.detach_hook(module)
+        return module
+
+
+def iter_hooks(hook: ModelHook | None) -> list[ModelHook]:
+    """The hooks inside ``hook`` (itself, or the members of a SequentialHook, flattened)."""
+    if hook is None:
+        return []
+    if isinstance(hook, SequentialHook):
+        return [inner for member in hook.hooks for inner in iter_hooks(member)]
+    return [hook]
+
+
+# --- recorded instance patches --------------------------------------------------------
+
+
+def patch_attribute(module: nn.Module, name: str, value: Any) -> None:
+    """Set ``module.<name> = value`` on the instance, recording the previous instance value once."""
+    record = module.__dict__.get(_PATCHES)
+    if record is None:
+        record = {}
+        object.__setattr__(module, _PATCHES, record)
+    if name not in record:
+        record[name] = module.__dict__.get(name, _ABSENT)
+    object.__setattr__(module, name, value)
+
+
+def restore_attribute(module: nn.Module, name: str) -> None:
+    """Undo :func:`patch_attribute` for ``name`` (no-op if it was not patched)."""
+    record = module.__dict__.get(_PATCHES)
+    if not record or name not in record:
+        return
+    previous = record.pop(name)
+    if previous is _ABSENT:
+        module.__dict__.pop(name, None)
+    else:
+        object.__setattr__(module, name, previous)
+    if not record:
+        del module.__dict__[_PATCHES]
+
+
+def is_patched(module: nn.Module, name: str) -> bool:
+    """True if :func:`patch_attribute` replaced ``name`` on this module."""
+    return name in (module.__dict__.get(_PATCHES) or {})
+
+
+# --- the patched forward ---------------------------------------------------------------
+
+
+class _WeakBoundMethod:
+    """``type(module).forward`` bound to ``module`` through a weak reference (no cycle)."""
+
+    __slots__ = ("_ref", "_func", "__weakref__")
+
+    def __init__(self, module: nn.Module, func: Callable) -> None:
+        self._ref = weakref.ref(module)
+        self._func = func
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._func(self._ref(), *args, **kwargs)
+
+    @property
+    def __self__(self) -> nn.Module | None:
+        return self._ref()
+
+    @property
+    def __func__(self) -> Callable:
+        return self._func
+
+
+def _eager(fn: Callable) -> Callable:
+    """``fn`` excluded from torch.compile tracing (hooks move tensors and mutate modules)."""
+    try:
+        return torch.compiler.disable(fn, recursive=True)
+    except Exception:  # pragma: no cover - very old torch without torch.compiler
+        return fn
+
+
+def _call_pre(hook: ModelHook, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return hook.pre_forward(module, *args, **kwargs)
+
+
+def _call_post(hook: ModelHook, module: nn.Module, output: Any) -> Any:
+    return hook.post_forward(module, output)
+
+
+_EAGER: dict[str, Callable] = {}
+
+
+def _eager_calls() -> tuple[Callable, Callable]:
+    if not _EAGER:
+        _EAGER["pre"] = _eager(_call_pre)
+        _EAGER["post"] = _eager(_call_post)
+    return _EAGER["pre"], _EAGER["post"]
+
+
+def _make_forward(module: nn.Module, signature_source: Callable) -> Callable:
+    ref = weakref.ref(module)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        mod = ref()
+        hook = mod._hf_hook
+        # Under torch.compile the hooks run eagerly (graph break); importing the compiler is
+        # only paid by programs that compile.
+        call_pre, call_post = _eager_calls() if torch.compiler.is_compiling() else (_call_pre, _call_post)
+        args, kwargs = call_pre(hook, mod, args, kwargs)
+        if hook.no_grad:
+            with torch.no_grad():
+                output = mod._old_forward(*args, **kwargs)
+        else:
+            output = mod._old_forward(*args, **kwargs)
+        return call_post(hook, mod, output)
+
+    forward.__name__ = getattr(signature_source, "__name__", "forward")
+    forward.__doc__ = getattr(signature_source, "__doc__", None)
+    try:  # transformers reads inspect.signature(model.forward) to filter generate() kwargs
+        forward.__signature__ = inspect.signature(signature_source)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    return forward
+
+
+def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False) -> nn.Module:
+    """Attach ``hook`` to ``module``: its forward now runs through the hook.
+
+    Args:
+        module: the module to hook.
+        hook: the hook.  ``hook.init_hook(module)`` runs now.
+        append: if the module already has a hook, chain the new one after it in a
+            :class:`SequentialHook` instead of replacing it.
+
+    Returns:
+        The module, with ``_hf_hook`` and ``_old_forward`` set.
+    """
+    existing = module.__dict__.get("_hf_hook")
+    if "_old_forward" in module.__dict__ and existing is not None:
+        if append:
+            module = hook.init_hook(module)
+            hook = SequentialHook(*iter_hooks(existing), hook) if isinstance(existing, SequentialHook) else SequentialHook(existing, hook)
+            patch_attribute(module, "_hf_hook", hook)
+            return module
+        # Replacing: the previous forward wrapper stays; only the hook changes.
+        module = hook.init_hook(module)
+        patch_attribute(module, "_hf_hook", hook)
+        return module
+
+    if "forward" in module.__dict__:
+        old_forward = module.__dict__["forward"]  # an instance-level forward someone set: keep it as is
+    else:
+        old_forward = _WeakBoundMethod(module, type(module).forward)
+    module = hook.init_hook(module)
+    patch_attribute(module, "_hf_hook", hook)
+    patch_attribute(module, "_old_forward", old_forward)
+    patch_attribute(module, "forward", _make_forward(module, type(module).forward.__get__(module)))
+    return module
+
+
+def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Module:
+    """Detach the hook of ``module`` and restore its original forward.
+
+    Args:
+        module: the hooked module (a module without a hook is left as is).
+        recurse: also remove the hooks of all submodules.
+
+    Returns:
+        The module.
+    """
+    hook = module.__dict__.get("_hf_hook")
+    if hook is not None:
+        hook.detach_hook(module)
+    old_forward = module.__dict__.get("_old_forward")
+    record = module.__dict__.get(_PATCHES) or {}
+    if old_forward is not None and not isinstance(old_forward, _WeakBoundMethod) and "_old_forward" in record:
+        # Someone replaced _old_forward after we hooked: keep their forward, as the convention says.
+        if record["_old_forward"] is not old_forward:
+            record["forward"] = old_forward
+    for name in list(record):
+        restore_attribute(module, name)
+    for name in ("_hf_hook", "_old_forward"):
+        module.__dict__.pop(name, None)
+    if recurse:
+        for child in module.children():
+            remove_hook_from_module(child, recurse=True)
+    return module
+
+
+TIED_PARAMS = "_bigmodel_tied_params"  # tied groups recorded by dispatch, re-tied when hooks are removed
+
+
+def remove_hook_from_submodules(module: nn.Module) -> None:
+    """Remove the hooks of every submodule of ``module`` (recursively) and of ``module`` itself.
+
+    Offloaded weights come back into the modules; weights that were tied when the model
+    was dispatched are tied again.
+    """
+    tied = module.__dict__.get(TIED_PARAMS)
+    for child in module.children():
+        remove_hook_from_module(child, recurse=True)
+    remove_hook_from_module(module)
+    if tied:
+        from ._tensors import retie_parameters
+
+        retie_parameters(module, tied)

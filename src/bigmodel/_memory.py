@@ -1,0 +1,155 @@
+"""Memory budgets: free memory per device, and budgets that balance a model over accelerators.
+
+A budget is a dict device → bytes, keyed like a device map: accelerator indices (ints,
+in increasing order), then ``"cpu"``, then ``"disk"``.  Integer keys are labels only:
+planning reads budgets and sizes, so ``{0: ..., 2: ..., "cpu": ...}`` works on a
+machine without any accelerator.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import psutil
+import torch
+from torch import nn
+
+from ._devices import DeviceSpec, accelerator_count, accelerator_memory_info, device_sort_key, normalize_device
+from ._sizes import compute_module_sizes, convert_file_size_to_int
+
+logger = logging.getLogger(__name__)
+
+Budgets = dict[int | str, int]
+
+# Share of a single accelerator used when the caller gave no budget: the rest is left for activations.
+_SINGLE_ACCELERATOR_SHARE = 0.9
+# Balanced budgets add this many largest layers on top of an even share, so greedy filling does not
+# push the tail of the model off the last accelerator.
+_BALANCE_SLACK_LAYERS = 1.25
+
+_ACCEPTED_KEYS = "an accelerator index (0, 1, ...), a string like 'cuda:0' or 'xpu:1', 'cpu' or 'disk'"
+
+
+def _budget_key(key: DeviceSpec) -> int | str:
+    """Canonical budget key for ``key``: an accelerator index, ``"cpu"`` or ``"disk"``."""
+    try:
+        device = normalize_device(key)
+    except ValueError:
+        device = None
+    if device is None or device == "meta":
+        raise ValueError(f"max_memory key {key!r} is not a device; use {_ACCEPTED_KEYS}.")
+    return device
+
+
+def _detected_budgets() -> Budgets:
+    budgets: Budgets = {}
+    for index in range(accelerator_count()):
+        info = accelerator_memory_info(index)
+        # Backends that cannot report free memory (unified-memory devices) share host RAM.
+        budgets[index] = info[0] if info is not None else psutil.virtual_memory().available
+    budgets["cpu"] = psutil.virtual_memory().available
+    return budgets
+
+
+def get_max_memory(max_memory: Mapping[DeviceSpec, int | str] | None = None) -> Budgets:
+    """Per-device memory budgets in bytes.
+
+    Args:
+        max_memory: budgets given by the caller, device → bytes (int) or a size string
+            (``"10GiB"``, ``"500MB"``).  Keys may be ints, ``"cuda:1"``-style strings,
+            :class:`torch.device`, ``"cpu"`` or ``"disk"``.  When None, the free memory of
+            every accelerator (through :mod:`torch.accelerator`) and the available RAM
+            (``psutil.virtual_memory().available``) are measured.
+
+    Returns:
+        dict device → bytes, accelerators first (by index), then ``"cpu"``, then ``"disk"``.
+
+    Raises:
+        ValueError: a key is not a device (names it and the accepted forms), two keys name
+            the same device, or a size does not parse.
+    """
+    if max_memory is None:
+        return _detected_budgets()
+    budgets: Budgets = {}
+    for key, value in max_memory.items():
+        device = _budget_key(key)
+        if device in budgets:
+            raise ValueError(f"max_memory names device {device!r} twice (key {key!r}); keep one entry per device.")
+        try:
+            budgets[device] = convert_file_size_to_int(value)
+        except ValueError as err:
+            raise ValueError(f"max_memory[{key!r}]: {err}") from err
+    return dict(sorted(budgets.items(), key=lambda item: device_sort_key(item[0])))
+
+
+def _largest_layer(model: nn.Module, sizes: Mapping[str, int], no_split: set[str]) -> int:
+    """Bytes of the largest module that planning places whole: a leaf or a no-split module."""
+    largest = 0
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        children = list(module.named_children())
+        if not children or type(module).__name__ in no_split:
+            largest = max(largest, sizes.get(name, 0))
+            continue
+        prefix = f"{name}." if name else ""
+        stack.extend((prefix + child, sub) for child, sub in children)
+    return largest
+
+
+def get_balanced_memory(
+    model: nn.Module,
+    max_memory: Mapping[DeviceSpec, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    low_zero: bool = False,
+) -> Budgets:
+    """Budgets that spread ``model`` evenly over the accelerators.
+
+    Every accelerator but the last is capped at an even share of the model plus slack
+    (1.25 largest layers), so filling the accelerators in order leaves each about as full
+    as the others; the last one keeps its whole budget for the remainder.  ``"cpu"`` and
+    ``"disk"`` budgets are unchanged.
+
+    Args:
+        model: the model (meta is fine: only sizes are read).
+        max_memory: budgets as for :func:`get_max_memory` (measured when None).
+        no_split_module_classes: class names never split across devices.
+        dtype: size floating tensors as if cast to this dtype.
+        special_dtypes: per-tensor dtype overrides, dotted name → dtype.
+        low_zero: keep the first accelerator as empty as possible (it stays free for
+            ``generate()`` buffers): it only gets what the others cannot hold.
+
+    Returns:
+        dict device → bytes, in the order of :func:`get_max_memory`.
+
+    Raises:
+        ValueError: as :func:`get_max_memory`.
+    """
+    user_budgets = max_memory is not None
+    budgets = get_max_memory(max_memory)
+    accelerators = [d for d, size in budgets.items() if isinstance(d, int) and size > 0]
+    if not accelerators:
+        return budgets
+    if len(accelerators) == 1:
+        if not user_budgets:
+            only = accelerators[0]
+            budgets[only] = int(budgets[only] * _SINGLE_ACCELERATOR_SHARE)
+            logger.info("Using %d bytes of accelerator %s; the rest stays free for activations.", budgets[only], only)
+        return budgets
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+    low_zero = low_zero and len(accelerators) > 1
+    sharing = accelerators[1:] if low_zero else accelerators
+    no_split = no_split_module_classes or ()
+    no_split = {no_split} if isinstance(no_split, str) else set(no_split)
+    slack = int(_BALANCE_SLACK_LAYERS * _largest_layer(model, sizes, no_split))
+    share = -(-sizes[""] // len(sharing)) + slack
+    for device in sharing[:-1]:
+        budgets[device] = min(budgets[device], share)
+    if low_zero:
+        first = accelerators[0]
+        others = sum(budgets[d] for d in sharing)
+        budgets[first] = min(budgets[first], max(0, sizes[""] - others))
+    return budgets

@@ -1,0 +1,289 @@
+"""Device-map inference: a pure function of module sizes and per-device budgets.
+
+The planner walks the model in module order and fills the devices in order
+(accelerators by index, then ``"cpu"``, then ``"disk"``).  A module that does not fit
+on the current device is split into its own tensors and its children, unless its class
+is a no-split class or it has no children; then the next device is tried.  Tied
+parameters travel as one bundle.  When something ends up offloaded, the execution
+device (the first accelerator used, else the cpu) keeps room to bring back the largest
+offloaded layer: the plan is redone with that room reserved (see :func:`_plan`).
+
+Sizes and ties come from one walk over the model (:func:`bigmodel._fill.scan_model`,
+the same numbers as :func:`bigmodel.compute_module_sizes`); children are listed lazily,
+only for modules that get split, so the experts inside a no-split decoder layer of a
+mixture-of-experts model are sized but never planned one by one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ._devices import DeviceSpec, normalize_device
+from ._fill import PlanContext, Placed, fill_devices, largest_layer, offload_need, scan_model, shortfall
+from ._memory import get_balanced_memory, get_max_memory
+
+logger = logging.getLogger(__name__)
+
+STRING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+_UNBOUNDED_DISK = 2**62
+_REFILL_ROUNDS = 6
+
+
+def _no_split_set(model: nn.Module, no_split_module_classes: list[str] | str | None) -> set[str]:
+    if no_split_module_classes is None:
+        return set()
+    names = {no_split_module_classes} if isinstance(no_split_module_classes, str) else set(no_split_module_classes)
+    missing = set(names)
+    for module in model.modules():
+        missing.discard(type(module).__name__)
+        if not missing:
+            return names  # usually found in the first decoder layer: no full walk
+    present = sorted({type(module).__name__ for module in model.modules()})
+    warnings.warn(
+        f"no_split_module_classes {sorted(missing)} match no module of {type(model).__name__}; they have no "
+        f"effect. Use class names that occur in the model, e.g. {present[:8]}.",
+        stacklevel=3,
+    )
+    return names
+
+
+def _budget_list(max_memory: Mapping[DeviceSpec, int | str] | None) -> tuple[list[int | str], list[float]]:
+    budgets: dict[int | str, float] = dict(get_max_memory(max_memory))
+    if max_memory is None:
+        # Nothing given: the measured devices, then an unbounded disk (as the ecosystem expects).
+        budgets["disk"] = math.inf
+    if not budgets:
+        raise ValueError("max_memory is empty; give at least one device budget, e.g. {0: '20GiB', 'cpu': '60GiB'}.")
+    return list(budgets), list(budgets.values())
+
+
+def infer_auto_device_map(
+    model: nn.Module,
+    max_memory: Mapping[DeviceSpec, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    verbose: bool = False,
+    clean_result: bool = True,
+    offload_buffers: bool = False,
+    fallback_allocation: bool = False,
+) -> dict[str, int | str]:
+    """Plan which device holds each module: accelerators in order, then ``"cpu"``, then ``"disk"``.
+
+    Args:
+        model: the model; only sizes are read, so a meta model works.
+        max_memory: budgets device → bytes or size string (see :func:`bigmodel.get_max_memory`).
+            When None, measured free memory plus an unbounded ``"disk"``.  When given, ``"disk"``
+            is used only if it is a key.
+        no_split_module_classes: class names whose modules are never split across devices
+            (e.g. ``["LlamaDecoderLayer"]``).  Names matching no module give a warning.
+        dtype: size floating tensors as if cast to this dtype.
+        special_dtypes: per-tensor dtype overrides, dotted name → dtype.
+        verbose: log each placement decision (logging level INFO).
+        clean_result: merge children that share a device into their parent (:func:`clean_device_map`).
+        offload_buffers: buffers of offloaded modules are offloaded too; when False they stay on
+            the execution device, which then keeps room for them.
+        fallback_allocation: when the next module fits nowhere on a device that is still empty,
+            place the first later layer that fits there instead of leaving the device empty.
+
+    Returns:
+        dict module or tensor name → device (int, ``"cpu"`` or ``"disk"``), in module order.
+
+    Raises:
+        ValueError: a module fits on no device (names it, its size in bytes and the fix), or a
+            budget key or size is invalid.
+    """
+    no_split = _no_split_set(model, no_split_module_classes)
+    devices, limits = _budget_list(max_memory)
+    sizes, tied = scan_model(model, dtype, special_dtypes)
+    ctx = PlanContext.build(
+        model,
+        sizes,
+        tied,
+        no_split=no_split,
+        devices=devices,
+        limits=limits,
+        offload_buffers=offload_buffers,
+        fallback=fallback_allocation,
+        verbose=verbose,
+    )
+    placed = _plan(ctx)
+    device_map = {unit.name: device for unit, device in sorted(placed, key=lambda item: item[0].key)}
+    if clean_result:
+        device_map = clean_device_map(device_map)
+    if verbose:
+        logger.info("Device map: %s", device_map)
+    return device_map
+
+
+def _plan(ctx: PlanContext) -> Placed:
+    """Fill the devices; while the result offloads without room to bring layers back, refill keeping room free.
+
+    The first pass keeps nothing free.  Each refill keeps free what the previous plan needed
+    (its largest offloaded layer, plus offloaded buffers when they stay on the execution
+    device).  The execution device always keeps at least the reserve free, so a refill that
+    still falls short needed strictly more: the reserve grows until the plan is consistent.
+    After a few rounds the largest layer of the model (an upper bound) is reserved.
+
+    Raises:
+        ValueError: a module fits on no device (from :func:`fill_devices`), with or without
+            the room kept free.
+    """
+    placed, reserve = fill_devices(ctx, reserve=0), 0
+    for _ in range(_REFILL_ROUNDS):
+        if shortfall(ctx, placed) <= 0:
+            return placed
+        need = offload_need(ctx, placed)[1]
+        if need <= reserve:
+            break  # the execution device's budget is below the reserve: more rounds cannot help
+        reserve = need
+        if ctx.verbose:
+            logger.info("Offloaded layers need %d bytes free on the execution device; planning again.", need)
+        placed = fill_devices(ctx, reserve=reserve)
+    if shortfall(ctx, placed) <= 0:
+        return placed
+    upper = largest_layer(ctx, ctx.root) + (0 if ctx.offload_buffers else ctx.buffer_bytes(ctx.root))
+    placed = fill_devices(ctx, reserve=max(reserve, upper))
+    _warn_if_short(ctx, placed)
+    return placed
+
+
+def _warn_if_short(ctx: PlanContext, placed: Placed) -> None:
+    missing = shortfall(ctx, placed)
+    if missing > 0:
+        execution, need = offload_need(ctx, placed)
+        logger.warning(
+            "Device %r cannot keep %d bytes free to bring back offloaded layers (%d bytes short); "
+            "raise its budget in max_memory.",
+            execution,
+            need,
+            missing,
+        )
+
+
+def clean_device_map(device_map: dict[str, int | str], module_name: str = "") -> dict[str, int | str]:
+    """Merge entries under a module into one entry when they all share a device.
+
+    ``{"a.x": 0, "a.y": 0, "b": 1}`` becomes ``{"a": 0, "b": 1}``, and a map whose entries all
+    share one device becomes ``{module_name: device}``.  Only entries under ``module_name``
+    (``""``: all of them) are merged.  The map is changed in place and returned.
+
+    Args:
+        device_map: module or tensor name → device.
+        module_name: the subtree to clean.
+
+    Returns:
+        ``device_map`` itself, cleaned, in its original order.
+    """
+    mixed = object()
+    state: dict[str, object] = {}
+    under = [name for name in device_map if _is_under(name, module_name)]
+    for name in under:
+        device = device_map[name]
+        prefix = name
+        while True:
+            seen = state.get(prefix, None)
+            if prefix in state and (seen is mixed or seen == device):
+                break  # every ancestor already accounts for this device
+            state[prefix] = device if prefix not in state else mixed
+            if prefix == module_name:
+                break
+            prefix = prefix.rpartition(".")[0] if "." in prefix else ""
+    cleaned: dict[str, int | str] = {}
+    for name, device in device_map.items():
+        if not _is_under(name, module_name):
+            cleaned[name] = device
+            continue
+        top, prefix = name, name
+        while prefix != module_name:
+            prefix = prefix.rpartition(".")[0] if "." in prefix else ""
+            if state[prefix] is not mixed:
+                top = prefix
+        cleaned.setdefault(top, device)
+    device_map.clear()
+    device_map.update(cleaned)
+    return device_map
+
+
+def _is_under(name: str, module_name: str) -> bool:
+    return not module_name or name == module_name or name.startswith(module_name + ".")
+
+
+def check_device_map(model: nn.Module, device_map: Mapping[str, object]) -> None:
+    """Check that every parameter and buffer of ``model`` is covered by ``device_map``.
+
+    A name is covered by its longest prefix in the map (``""`` covers everything).
+
+    Raises:
+        ValueError: naming the uncovered parameters/buffers and how to fix the map.
+    """
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    names += [name for name, _ in model.named_buffers(remove_duplicate=False)]
+    keys = set(device_map)
+    missing = [name for name in names if not _covered(name, keys)]
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise ValueError(
+            f"The device map does not cover {len(missing)} parameters/buffers of {type(model).__name__}: {shown}. "
+            "Add them, or a module containing them, to the device map."
+        )
+
+
+def _covered(name: str, keys: set[str]) -> bool:
+    while True:
+        if name in keys:
+            return True
+        if not name:
+            return False
+        name = name.rpartition(".")[0] if "." in name else ""
+
+
+def resolve_device_map(
+    model: nn.Module,
+    device_map: str | Mapping[str, DeviceSpec],
+    max_memory: Mapping[DeviceSpec, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    special_dtypes: Mapping[str, torch.dtype | str] | None = None,
+    offload_buffers: bool = False,
+) -> dict[str, DeviceSpec]:
+    """Turn a device map argument into a checked dict.
+
+    ``"auto"`` and ``"balanced"`` plan over balanced budgets (:func:`get_balanced_memory`),
+    ``"balanced_low_0"`` also keeps the first accelerator as empty as possible, and
+    ``"sequential"`` fills the devices in order.  A dict is checked (devices valid, every
+    parameter and buffer covered) and returned as a new dict.
+
+    Raises:
+        ValueError: an unknown string (lists the accepted ones), an invalid device in a dict
+            map (names the entry), or parameters the map does not cover.
+    """
+    if isinstance(device_map, str):
+        if device_map not in STRING_MAPS:
+            raise ValueError(f"device_map={device_map!r} is not a known map; use a dict or one of {list(STRING_MAPS)}.")
+        if device_map == "sequential":
+            budgets = get_max_memory(max_memory)
+        else:
+            low_zero = device_map == "balanced_low_0"
+            budgets = get_balanced_memory(model, max_memory, no_split_module_classes, dtype, special_dtypes, low_zero)
+        if max_memory is None:
+            budgets["disk"] = _UNBOUNDED_DISK  # measured budgets: offload the rest, as infer_auto_device_map does
+        return infer_auto_device_map(
+            model, budgets, no_split_module_classes, dtype, special_dtypes, offload_buffers=offload_buffers
+        )
+    if not isinstance(device_map, Mapping):
+        raise ValueError(f"device_map must be a dict or one of {list(STRING_MAPS)}, not {type(device_map).__name__}.")
+    for name, device in device_map.items():
+        try:
+            normalize_device(device)
+        except ValueError as err:
+            raise ValueError(f"device_map[{name!r}]: {err}") from err
+    check_device_map(model, device_map)
+    return dict(device_map)
+

@@ -1,0 +1,207 @@
+"""Read the weights of the next offloaded module while the current one runs.
+
+One :class:`Prefetcher` serves all offloading hooks of a dispatched model.  During the
+first forward it records the order in which the hooks run; from then on, when module k
+starts, the weights of the next ``depth`` modules in that order (wrapping around, so the
+first module of the next forward comes after the last one) are read on a background
+thread.  At most ``depth`` modules are staged ahead, so memory stays bounded; a module
+that runs out of the recorded order gets no prefetch, and staged values it skipped over
+are dropped.
+
+Staging is one function, ``stage(values, device) -> values``:
+
+- CPU execution: the values (memory-mapped file views or RAM tensors) are used in place;
+  staging touches one byte per page so that the page faults — the disk reads — happen on
+  the background thread, ahead of use.  Nothing is copied.
+- accelerator execution: by default a plain ``.to(device)`` on the background thread.
+  :mod:`bigmodel._transfer` provides pinned memory and side-stream copies; pass its
+  function as ``stage`` to :func:`enable_prefetch`.  ``stage`` may return a dict or an object
+  with ``wait() -> dict`` (called on the consuming thread before use).
+
+Values are never changed by staging, so outputs are bit-identical with or without prefetch.
+Set ``BIGMODEL_PREFETCH_DEPTH=0`` to turn prefetching off (1 or 2 modules ahead otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+DEPTH_ENV = "BIGMODEL_PREFETCH_DEPTH"
+DEFAULT_DEPTH = 1
+MAX_DEPTH = 2
+PAGE_BYTES = 4096
+# Modules with fewer offloaded bytes are not prefetched: handing them to a thread costs more
+# than reading them (bytes).
+MIN_BYTES = 1 << 20
+
+StageFn = Callable[[dict[str, torch.Tensor], "torch.device | None"], Any]
+
+_EXECUTOR: ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigmodel-prefetch")
+        return _EXECUTOR
+
+
+def touch_pages(tensor: torch.Tensor) -> None:
+    """Read one byte per memory page of a CPU tensor, so its file-backed pages are faulted in now."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
+        return
+    try:
+        raw = tensor.detach().reshape(-1).view(torch.uint8)
+    except RuntimeError:
+        return
+    raw[::PAGE_BYTES].sum()
+
+
+def stage(values: dict[str, torch.Tensor], device: torch.device | None) -> dict[str, torch.Tensor]:
+    """Default staging: fault CPU pages in (no copy), or copy to an accelerator.
+
+    Args:
+        values: name → value read from the weights map.
+        device: the execution device (None or cpu: values are used in place).
+
+    Returns:
+        name → value ready for the hook (same tensors on CPU).
+    """
+    if device is None or device.type == "cpu":
+        for tensor in values.values():
+            touch_pages(tensor)
+        return values
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in values.items()}
+
+
+class Prefetcher:
+    """Reads the weights of the next offloaded modules ahead, in the order learned from the first forward.
+
+    Args:
+        depth: how many modules ahead to stage (1 or 2).
+        stage: the staging function (see the module docstring).
+        min_bytes: modules with fewer offloaded bytes are read when they run, not ahead.
+    """
+
+    def __init__(self, depth: int = DEFAULT_DEPTH, stage: StageFn = stage, min_bytes: int = MIN_BYTES) -> None:
+        self.depth = depth
+        self.stage = stage
+        self.min_bytes = min_bytes
+        self.recording = True
+        self._order: list[weakref.ref] = []
+        self._position: dict[int, int] = {}
+        self._pending: dict[int, Future] = {}
+        self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
+
+    @property
+    def order_length(self) -> int:
+        """Number of hooks in the recorded execution order."""
+        return len(self._order)
+
+    @property
+    def pending(self) -> int:
+        """Number of modules staged or being staged now."""
+        return len(self._pending)
+
+    def read(self, hook: Any) -> dict[str, torch.Tensor]:
+        """The hook's offloaded values from its weights map (serialised with the background reads)."""
+        with self.read_lock:
+            return {name: hook.weights_map[name] for name in hook.offloaded_names}
+
+    def take(self, hook: Any) -> Mapping[str, torch.Tensor]:
+        """The hook's values: the staged ones if a prefetch was started, else read now."""
+        future = self._pending.pop(id(hook), None)
+        if future is not None:
+            result = future.result()
+            if result is not None:
+                return result.wait() if hasattr(result, "wait") else result
+        return self.read(hook)
+
+    def schedule_after(self, hook: Any) -> None:
+        """Called when ``hook``'s module starts: record the order, or stage the next modules."""
+        key = id(hook)
+        if self.recording:
+            if key not in self._position:
+                self._position[key] = len(self._order)
+                self._order.append(weakref.ref(hook))
+                return
+            self.recording = False
+        index = self._position.get(key)
+        if index is None or self.depth <= 0:
+            return
+        count = len(self._order)
+        wanted = [self._order[(index + step) % count] for step in range(1, min(self.depth, count - 1) + 1)]
+        wanted_keys = {id(ref()) for ref in wanted if ref() is not None}
+        for stale in [k for k in self._pending if k not in wanted_keys]:
+            self._pending.pop(stale).cancel()
+        for ref in wanted:
+            target = ref()
+            if target is not None and id(target) not in self._pending and target.offloaded_bytes >= self.min_bytes:
+                self._pending[id(target)] = _executor().submit(self._fetch, ref)
+
+    def _fetch(self, ref: weakref.ref) -> Any:
+        hook = ref()
+        if hook is None:
+            return None
+        return self.stage(self.read(hook), hook.device)
+
+    def invalidate(self) -> None:
+        """Drop everything staged (call when a weights map's values change)."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+
+
+def _configured_depth(depth: int | None) -> int:
+    if depth is None:
+        text = os.environ.get(DEPTH_ENV, "").strip()
+        try:
+            depth = int(text) if text else DEFAULT_DEPTH
+        except ValueError:
+            logger.warning("%s=%r is not an integer; using %d.", DEPTH_ENV, text, DEFAULT_DEPTH)
+            depth = DEFAULT_DEPTH
+    if depth > MAX_DEPTH:
+        logger.warning("Prefetch depth %d capped at %d modules ahead (memory bound).", depth, MAX_DEPTH)
+    return max(0, min(depth, MAX_DEPTH))
+
+
+def enable_prefetch(
+    model: nn.Module, depth: int | None = None, stage: StageFn | None = None, min_bytes: int = MIN_BYTES
+) -> Prefetcher | None:
+    """Give all offloading hooks of ``model`` one shared :class:`Prefetcher`.
+
+    Args:
+        model: a model with offloading AlignDevicesHooks attached.
+        depth: modules staged ahead (default: ``$BIGMODEL_PREFETCH_DEPTH`` or 1; 0 disables; at most 2).
+        stage: staging function (default :func:`stage`); :mod:`bigmodel._transfer` supplies the
+            pinned-memory, side-stream one for accelerators.
+        min_bytes: modules with fewer offloaded bytes are not prefetched.
+
+    Returns:
+        The prefetcher, or None when disabled or nothing is offloaded.
+    """
+    from ._align_hook import offload_hook_of
+
+    depth = _configured_depth(depth)
+    hooks = [hook for module in model.modules() if (hook := offload_hook_of(module)) is not None]
+    for hook in hooks:
+        hook.prefetcher = None
+    if depth == 0 or len(hooks) < 2:
+        return None
+    prefetcher = Prefetcher(depth, stage if stage is not None else globals()["stage"], min_bytes)
+    for hook in hooks:
+        hook.prefetcher = prefetcher
+    return prefetcher

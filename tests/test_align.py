@@ -1,0 +1,304 @@
+"""AlignDevicesHook, attach_* functions, placeholders, CpuOffload, align_module_device, moving inputs."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from bigmodel import (
+    AlignDevicesHook,
+    CpuOffload,
+    OffloadedWeightsLoader,
+    UserCpuOffloadHook,
+    add_hook_to_module,
+    align_module_device,
+    attach_align_device_hook,
+    attach_align_device_hook_on_blocks,
+    attach_execution_device_hook,
+    has_offloaded_params,
+    offload_state_dict,
+    remove_hook_from_module,
+    remove_hook_from_submodules,
+)
+from bigmodel._moving import find_device, send_to_device
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.register_buffer("shift", torch.full((dim,), 0.5))
+
+    def forward(self, x):
+        return self.norm(self.linear(x)) + self.shift
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ReadsChildWeight(nn.Module):
+    """Uses its child's weight directly, not through the child's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.gate = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x @ self.proj.weight.T * self.gate
+
+
+def make(cls=Net, seed=0):
+    torch.manual_seed(seed)
+    return cls().eval()
+
+
+# ------------------------------------------------------------------ moving inputs
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+@dataclasses.dataclass
+class Batch:
+    ids: torch.Tensor
+    extra: dict
+
+
+def test_send_to_device_keeps_container_types_and_skip_keys():
+    t = torch.ones(2)
+    obj = {"x": (t, [t]), "p": Pair(t, 3), "d": Batch(t, {"cache": t}), "cache": t, "s": "text"}
+    moved = send_to_device(obj, "meta", skip_keys="cache")
+    assert moved["x"][0].is_meta and moved["x"][1][0].is_meta and isinstance(moved["x"][1], list)
+    assert isinstance(moved["p"], Pair) and moved["p"].a.is_meta and moved["p"].b == 3
+    assert isinstance(moved["d"], Batch) and moved["d"].ids.is_meta
+    assert moved["d"].extra["cache"] is t and moved["cache"] is t
+    assert moved["s"] == "text"
+    assert find_device(moved["p"]) == torch.device("meta")
+    assert send_to_device(t, "cpu") is t  # already there: no copy
+
+
+def test_send_to_device_model_output():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    out = CausalLMOutputWithPast(logits=torch.ones(1, 2), loss=torch.zeros(()))
+    moved = send_to_device(out, "meta")
+    assert isinstance(moved, CausalLMOutputWithPast)
+    assert moved.logits.is_meta and moved["loss"].is_meta
+
+
+# ------------------------------------------------------------------ AlignDevicesHook
+
+
+def test_offload_hook_uses_weights_in_place_and_restores_meta():
+    seen = {}
+
+    class Recording(nn.Linear):
+        def forward(self, x):
+            seen.update(ptr=self.weight.data_ptr(), device=self.weight.device)
+            return super().forward(x)
+
+    model = make(Block)
+    model.linear.__class__ = Recording
+    x = torch.randn(2, 8)
+    expected = model(x)
+    weights = {k: v.clone() for k, v in model.linear.state_dict().items()}
+    add_hook_to_module(model.linear, AlignDevicesHook("cpu", offload=True, weights_map=weights))
+    assert model.linear.weight.is_meta and has_offloaded_params(model.linear)
+    assert torch.equal(model(x), expected)
+    assert seen == {"ptr": weights["weight"].data_ptr(), "device": torch.device("cpu")}
+    assert model.linear.weight.is_meta and model.linear.bias.is_meta
+    assert model.linear.state_dict()["weight"].is_meta
+
+
+def test_offload_hook_builds_weights_map_and_detach_brings_values_back():
+    model = make(Block)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    add_hook_to_module(model, AlignDevicesHook("cpu", offload=True, offload_buffers=True, place_submodules=True))
+    assert all(t.is_meta for t in model.state_dict().values())
+    remove_hook_from_module(model)
+    assert not any(t.is_meta for t in model.state_dict().values())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, original[name]), name
+    assert type(model.linear.weight) is nn.Parameter and model.linear.weight.requires_grad
+
+
+def test_casts_value_to_module_dtype():
+    model = nn.Linear(4, 4).to(torch.float64)
+    weights = {k: v.to(torch.float32) for k, v in model.state_dict().items()}
+    add_hook_to_module(model, AlignDevicesHook("cpu", offload=True, weights_map=weights))
+    assert model(torch.ones(1, 4, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_skip_keys_and_execution_device_move_inputs():
+    captured = {}
+
+    class Capture(nn.Module):
+        def forward(self, x, cache=None):
+            captured.update(x=x.device, cache=cache.device)
+            return x
+
+    module = Capture()
+    add_hook_to_module(module, AlignDevicesHook("meta", skip_keys=["cache"]))
+    module(torch.ones(1), cache=torch.ones(1))
+    assert captured == {"x": torch.device("meta"), "cache": torch.device("cpu")}
+
+
+def test_io_same_device_moves_output_back():
+    class Fresh(nn.Module):
+        def forward(self, x):
+            return {"out": torch.ones(x.shape)}
+
+    module = Fresh()
+    add_hook_to_module(module, AlignDevicesHook("cpu", io_same_device=True))
+    assert module(torch.ones(1, device="meta"))["out"].device == torch.device("meta")
+    module._hf_hook.io_same_device = False
+    assert module(torch.ones(1, device="meta"))["out"].device == torch.device("cpu")
+
+
+def test_tied_values_materialised_once_per_device():
+    shared = torch.randn(4, 4)
+    tied = {shared.data_ptr(): {}}
+    a, b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    hook_a = AlignDevicesHook("meta", offload=True, weights_map={"weight": shared}, tied_params_map=tied)
+    hook_b = AlignDevicesHook("meta", offload=True, weights_map={"weight": shared}, tied_params_map=tied)
+    add_hook_to_module(a, hook_a)
+    add_hook_to_module(b, hook_b)
+    hook_a.pre_forward(a)
+    hook_b.pre_forward(b)  # nested in a's forward: reuses a's copy on the device
+    assert a.weight is b.weight
+    hook_b.post_forward(b, None)
+    hook_a.post_forward(a, None)
+    assert tied[shared.data_ptr()] == {}
+
+
+def test_parent_reading_child_weight_works_and_warns(caplog):
+    model = make(ReadsChildWeight)
+    x = torch.randn(2, 8)
+    expected = model(x)
+    attach_align_device_hook(model, "cpu", offload=True, weights_map=model.state_dict())
+    assert model.proj.weight.is_meta
+    with caplog.at_level(logging.WARNING, logger="bigmodel._align_hook"):
+        assert torch.equal(model(x), expected)
+    assert "'proj.weight'" in caplog.text and "preload_module_classes" in caplog.text
+    assert model.proj.weight.is_meta
+
+
+def test_preload_module_classes_loads_subtree():
+    model = make(ReadsChildWeight)
+    x = torch.randn(2, 8)
+    expected = model(x)
+    attach_align_device_hook(
+        model, "cpu", offload=True, weights_map=model.state_dict(), preload_module_classes=["ReadsChildWeight"]
+    )
+    assert model._hf_hook.place_submodules and not hasattr(model.proj, "_hf_hook")
+    assert torch.equal(model(x), expected)
+
+
+def test_attach_align_device_hook_prefixes_weights_map():
+    model = make()
+    x = torch.randn(2, 8)
+    expected = model(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    attach_align_device_hook(model, "cpu", offload=True, weights_map=state, offload_buffers=True)
+    assert model.blocks[1].linear._hf_hook.module_name == "blocks.1.linear"
+    assert model.blocks[0].shift.is_meta
+    assert torch.equal(model(x), expected)
+    remove_hook_from_submodules(model)
+    assert torch.equal(model.blocks[2].linear.weight, state["blocks.2.linear.weight"])
+
+
+def test_attach_on_blocks_with_per_block_dicts(tmp_path):
+    model = make()
+    x = torch.randn(2, 8)
+    expected = model(x)
+    state = model.state_dict()
+    offload_state_dict(tmp_path, {k: v for k, v in state.items() if k.startswith("blocks.1.")})
+    loader = OffloadedWeightsLoader(save_folder=tmp_path)
+    devices = {"blocks.0": "cpu", "blocks.1": "cpu", "blocks.2": "cpu", "head": "cpu", "": "cpu"}
+    offload = {"blocks.0": False, "blocks.1": True, "blocks.2": False, "head": False}
+    attach_align_device_hook_on_blocks(model, devices, offload, weights_map=loader)
+    assert model._hf_hook.io_same_device
+    assert has_offloaded_params(model.blocks[1].linear) and not has_offloaded_params(model.blocks[0].linear)
+    assert model.blocks[1].norm.weight.is_meta
+    assert torch.equal(model(x), expected)
+
+
+def test_attach_execution_device_hook_skips_hooked_and_preloaded():
+    model = make()
+    add_hook_to_module(model.head, AlignDevicesHook("cpu", offload=True))
+    attach_execution_device_hook(model, "cpu", preload_module_classes=["Block"])
+    assert model.head._hf_hook.offload  # kept
+    assert isinstance(model.blocks[0]._hf_hook, AlignDevicesHook)
+    assert not hasattr(model.blocks[0].linear, "_hf_hook")  # Block is preloaded: not descended into
+
+
+# ------------------------------------------------------------------ align_module_device
+
+
+def test_align_module_device_changes_persist_in_dict_map():
+    model = make(Block)
+    state = {k: v.clone() for k, v in model.linear.state_dict().items()}
+    add_hook_to_module(model.linear, AlignDevicesHook("cpu", offload=True, weights_map=state))
+    with align_module_device(model.linear):
+        assert not model.linear.weight.is_meta
+        model.linear.weight.data.mul_(2)
+    assert model.linear.weight.is_meta
+    assert torch.equal(model.linear._hf_hook.weights_map["weight"], state["weight"])
+    with align_module_device(model.linear, "cpu"):
+        doubled = model.linear.weight.clone()
+    assert torch.equal(model.linear._hf_hook.weights_map["weight"], doubled)
+
+
+def test_align_module_device_on_disk_never_writes_the_file(tmp_path):
+    layer = nn.Linear(4, 4)
+    offload_state_dict(tmp_path, layer.state_dict())
+    loader = OffloadedWeightsLoader(save_folder=tmp_path)
+    before = (tmp_path / "weight.dat").read_bytes()
+    add_hook_to_module(layer, AlignDevicesHook("cpu", offload=True, weights_map=loader))
+    with align_module_device(layer):
+        layer.weight.data.zero_()
+    assert (tmp_path / "weight.dat").read_bytes() == before
+    assert torch.count_nonzero(loader["weight"]) == 0  # kept, in memory
+
+
+def test_align_module_device_without_hook_is_a_noop():
+    layer = nn.Linear(2, 2)
+    with align_module_device(layer):
+        assert layer.weight.device.type == "cpu"
+    assert not has_offloaded_params(layer)
+
+
+# ------------------------------------------------------------------ CpuOffload
+
+
+def test_cpu_offload_hook_chain_offloads_previous_model():
+    calls = []
+
+    class Recording(UserCpuOffloadHook):
+        def offload(self):
+            calls.append("offload")
+            super().offload()
+
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    hook = CpuOffload("cpu")
+    add_hook_to_module(first, hook)
+    add_hook_to_module(second, CpuOffload("cpu", prev_module_hook=Recording(first, hook)))
+    second(first(torch.ones(1, 2)))
+    assert calls == ["offload"]
+    Recording(first, hook).remove()
+    assert not hasattr(first, "_hf_hook")

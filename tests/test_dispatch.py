@@ -1,0 +1,261 @@
+"""dispatch_model, cpu/disk offload, load_checkpoint_and_dispatch: bit-exact outputs, memory, compile."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from bigmodel import (
+    cpu_offload,
+    cpu_offload_with_hook,
+    dispatch_model,
+    disk_offload,
+    get_state_dict_offloaded_model,
+    has_offloaded_params,
+    init_empty_weights,
+    load_checkpoint_and_dispatch,
+    remove_hook_from_submodules,
+)
+
+
+class Layer(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    _no_split_modules = ["Layer"]
+
+    def __init__(self, vocab: int = 32, dim: int = 16, n_layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([Layer(dim) for _ in range(n_layers)])
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(h * self.scale)
+
+
+IDS = torch.tensor([[1, 5, 7, 2, 9]])
+MAPS = {
+    "all_cpu": {"": "cpu"},
+    "cpu_disk": {"embed": "cpu", "layers.0": "cpu", "layers.1": "disk", "layers.2": "disk", "layers.3": "cpu",
+                 "lm_head": "cpu", "scale": "cpu"},
+    "all_disk": {"": "disk"},
+    "layers_on_disk": {"embed": "cpu", "layers": "disk", "lm_head": "cpu", "scale": "cpu"},
+}
+
+
+def fresh(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM().eval()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = fresh()
+    with torch.no_grad():
+        return model.state_dict(), model(IDS)
+
+
+def loaded(state) -> TinyLM:
+    model = fresh(1)
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.parametrize("kind", sorted(MAPS))
+def test_dispatch_outputs_bit_exact(kind, reference, tmp_path):
+    state, expected = reference
+    model = dispatch_model(loaded(state), MAPS[kind], offload_dir=tmp_path, force_hooks=True)
+    assert model.hf_device_map == MAPS[kind]
+    with torch.no_grad():
+        for _ in range(2):  # the second pass runs with prefetch
+            assert torch.equal(model(IDS), expected)
+    if "disk" in MAPS[kind].values():
+        assert (tmp_path / "index.json").is_file()
+        assert has_offloaded_params(model.layers[1].up)
+
+
+def test_single_device_map_just_moves_the_model(reference):
+    model = dispatch_model(loaded(reference[0]), {"": "cpu"})
+    assert not any(hasattr(m, "_hf_hook") for m in model.modules())
+    assert model.hf_device_map == {"": "cpu"}
+
+
+def test_cpu_offload_and_disk_offload(reference, tmp_path):
+    state, expected = reference
+    with torch.no_grad():
+        model = cpu_offload(loaded(state))
+        assert model.layers[0].up.weight.is_meta
+        assert torch.equal(model(IDS), expected) and torch.equal(model(IDS), expected)
+        model = disk_offload(loaded(state), tmp_path)
+        assert model.layers[0].up.weight.is_meta
+        assert torch.equal(model(IDS), expected) and torch.equal(model(IDS), expected)
+        # the folder is reused as is
+        model = disk_offload(fresh(3), tmp_path)
+        assert torch.equal(model(IDS), expected)
+
+
+def test_cpu_offload_with_hook_chain(reference):
+    state, expected = reference
+    first, hook1 = cpu_offload_with_hook(loaded(state), "cpu")
+    second, hook2 = cpu_offload_with_hook(nn.Identity(), "cpu", prev_module_hook=hook1)
+    with torch.no_grad():
+        assert torch.equal(second(first(IDS)), expected)
+    hook2.offload()
+    hook1.remove()
+    assert not hasattr(first, "_hf_hook")
+
+
+def test_disk_without_offload_dir_is_an_error(reference):
+    with pytest.raises(ValueError, match="offload_dir"):
+        dispatch_model(loaded(reference[0]), MAPS["cpu_disk"])
+
+
+def test_uncovered_map_is_an_error(reference):
+    with pytest.raises(ValueError, match="does not cover"):
+        dispatch_model(loaded(reference[0]), {"embed": "cpu", "layers": "disk"}, offload_dir="unused")
+
+
+def test_moving_an_offloaded_model_raises(reference, tmp_path):
+    model = dispatch_model(loaded(reference[0]), MAPS["cpu_disk"], offload_dir=tmp_path)
+    for call in (lambda: model.to("cpu"), lambda: model.half(), lambda: model.cpu()):
+        with pytest.raises(RuntimeError, match="remove_hook_from_submodules"):
+            call()
+    assert model.layers[1].up.weight.is_meta
+    remove_hook_from_submodules(model)
+    assert "to" not in model.__dict__
+    model.to(torch.float64)  # allowed again, weights back in the modules
+    assert model.layers[1].up.weight.dtype == torch.float64
+
+
+def test_remove_hooks_brings_weights_back(reference, tmp_path):
+    state, expected = reference
+    model = dispatch_model(loaded(state), MAPS["all_disk"], offload_dir=tmp_path)
+    remove_hook_from_submodules(model)
+    assert not any(t.is_meta for t in model.state_dict().values())
+    assert model.lm_head.weight is model.embed.weight
+    with torch.no_grad():
+        assert torch.equal(model(IDS), expected)
+
+
+def test_state_dict_of_offloaded_model(reference, tmp_path):
+    state, _ = reference
+    model = dispatch_model(loaded(state), MAPS["cpu_disk"], offload_dir=tmp_path)
+    full = get_state_dict_offloaded_model(model)
+    assert list(full) == list(state)
+    for name, value in state.items():
+        assert torch.equal(full[name], value), name
+
+
+@pytest.mark.parametrize("kind", ["cpu_disk", "all_disk"])
+def test_del_frees_memory_without_gc(kind, reference, tmp_path):
+    model = dispatch_model(loaded(reference[0]), MAPS[kind], offload_dir=tmp_path)
+    with torch.no_grad():
+        model(IDS)
+        model(IDS)
+    alive = weakref.ref(model)
+    hook = weakref.ref(model.layers[2].up._hf_hook)
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert alive() is None and hook() is None
+    finally:
+        gc.enable()
+
+
+def test_cpu_offload_frees_weights_without_gc(reference):
+    model = cpu_offload(loaded(reference[0]))
+    weight = weakref.ref(model.layers[0].up._hf_hook.weights_map["weight"])
+    with torch.no_grad():
+        model(IDS)
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert weight() is None
+    finally:
+        gc.enable()
+
+
+def test_many_forwards_leave_memory_flat(reference, tmp_path):
+    model = dispatch_model(loaded(reference[0]), MAPS["cpu_disk"], offload_dir=tmp_path)
+
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(1 for obj in gc.get_objects() if type(obj) in (torch.Tensor, nn.Parameter))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: avoid thread-pool contention on a busy machine
+    try:
+        with torch.no_grad():
+            for _ in range(20):
+                model(IDS)
+            before, rss_before = live_tensors(), psutil.Process().memory_info().rss
+            for _ in range(1000):
+                model(IDS)
+            after, rss_after = live_tensors(), psutil.Process().memory_info().rss
+    finally:
+        torch.set_num_threads(threads)
+    assert after - before <= 2, (before, after)
+    assert rss_after - rss_before < 16 * 2**20, (rss_before, rss_after)  # loose: noise, not a leak
+
+
+def save_checkpoint(state, folder):
+    folder.mkdir()
+    unique = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied: stored once
+    save_file({k: v.contiguous() for k, v in unique.items()}, folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize("device_map", [MAPS["cpu_disk"], MAPS["all_disk"], "sequential"])
+def test_load_checkpoint_and_dispatch(device_map, reference, tmp_path):
+    state, expected = reference
+    checkpoint = save_checkpoint(state, tmp_path / "ckpt")
+    with init_empty_weights():
+        model = TinyLM().eval()
+    budgets = {"cpu": 3000, "disk": 10**9} if device_map == "sequential" else None
+    model = load_checkpoint_and_dispatch(
+        model, checkpoint, device_map=device_map, max_memory=budgets, offload_folder=tmp_path / "off"
+    )
+    if device_map == "sequential":
+        assert "disk" in model.hf_device_map.values()
+        assert all(k == "layers" or not k.startswith("layers.") or k.count(".") == 1 for k in model.hf_device_map)
+    with torch.no_grad():
+        assert torch.equal(model(IDS), expected)
+        assert torch.equal(model(IDS), expected)
+
+
+def test_load_checkpoint_unknown_string_map(reference, tmp_path):
+    checkpoint = save_checkpoint(reference[0], tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="sequential"):
+        load_checkpoint_and_dispatch(fresh(), checkpoint, device_map="everywhere")
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_runs_dispatched_model(backend, reference, tmp_path):
+    state, expected = reference
+    model = dispatch_model(loaded(state), MAPS["cpu_disk"], offload_dir=tmp_path)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        assert torch.equal(compiled(IDS), expected)
+        assert torch.equal(compiled(IDS), expected)
