@@ -1,0 +1,329 @@
+"""Hugging Face model folders: folder in, dispatched model out.
+
+A Hugging Face causal-LM folder holds ``config.json``, the weights (``model.safetensors``,
+a sharded ``*.index.json`` or ``pytorch_model.bin``) and usually a tokenizer.
+:func:`load_pretrained` builds the model on the ``meta`` device from the config, plans a
+device map under the budgets (no-split classes from ``model._no_split_modules``), and
+hands off to :func:`bigmodel.load_checkpoint_and_dispatch`.  :func:`empty_model` is the
+first step alone: ``bigmodel plan`` and ``bigmodel estimate`` use it to read no weights.
+
+transformers is an optional dependency (``pip install bigmodel[hf]``); it is imported
+only when one of these functions runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._devices import normalize_device
+from ._meta import init_empty_weights
+from ._sizes import compute_module_sizes, get_max_layer_size, to_dtype
+
+logger = logging.getLogger(__name__)
+
+DeviceMap = dict[str, "int | str"]
+STRING_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+UNBOUNDED_DISK = 2**62  # bytes: "no limit" for the disk budget
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def require_transformers() -> ModuleType:
+    """Import and return ``transformers``.
+
+    Raises:
+        ImportError: if transformers is not installed (names the extra that installs it).
+    """
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as error:
+        raise ImportError(
+            "Loading Hugging Face models needs transformers, which is not installed; "
+            "run `pip install bigmodel[hf]`."
+        ) from error
+
+
+def resolve_model_folder(path: str | os.PathLike) -> Path:
+    """The model folder for ``path`` (a folder, or the path of its ``config.json``).
+
+    Raises:
+        FileNotFoundError: the path does not exist, or the folder has no ``config.json``.
+    """
+    folder = Path(path).expanduser()
+    if folder.is_file() and folder.name.endswith(".json"):
+        folder = folder.parent if folder.name == "config.json" else folder
+    if not folder.exists():
+        raise FileNotFoundError(f"Model path {str(folder)!r} does not exist; pass a model folder or its config.json.")
+    config_file = folder if folder.is_file() else folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"No config.json in {str(folder)!r}; pass a Hugging Face model folder "
+            "(config.json + weights), e.g. one written by model.save_pretrained(folder)."
+        )
+    return folder
+
+
+def load_config(path: str | os.PathLike) -> Any:
+    """The transformers config of a model folder or of a ``config.json`` file.
+
+    Raises:
+        FileNotFoundError: no config.json (see :func:`resolve_model_folder`).
+        ValueError: the config cannot be parsed by transformers (names the file).
+    """
+    transformers = require_transformers()
+    folder = resolve_model_folder(path)
+    try:
+        if folder.is_file():
+            data = json.loads(folder.read_text())
+            model_type = data.pop("model_type", None)
+            if model_type is None:
+                raise ValueError("no 'model_type' key")
+            return transformers.AutoConfig.for_model(model_type, **data)
+        return transformers.AutoConfig.from_pretrained(str(folder))
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"Cannot read the model config in {str(folder)!r} ({_brief(error)}); check that it is a transformers "
+            "config.json with a known 'model_type'."
+        ) from error
+
+
+def _brief(error: BaseException, limit: int = 160) -> str:
+    """The first sentence of an error message from a dependency, on one line."""
+    text = " ".join(str(error).split())
+    first = text.split(". ")[0]
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+def config_dtype(config: Any) -> torch.dtype:
+    """The dtype a config declares (``dtype`` or ``torch_dtype``), float32 when it declares none."""
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if declared is None or declared == "auto":
+        return torch.float32
+    resolved = to_dtype(declared)
+    return resolved if isinstance(resolved, torch.dtype) else torch.float32
+
+
+def empty_model(config_or_path: Any, dtype: torch.dtype | str | None = None) -> nn.Module:
+    """Build the causal LM of a config on the ``meta`` device (no weights read, no memory used).
+
+    Tied weights (``lm_head`` ↔ embeddings) are tied.  The model is in eval mode.
+
+    Args:
+        config_or_path: a transformers config, a model folder or a ``config.json`` path.
+        dtype: dtype of the floating parameters; the config's dtype when None.
+
+    Returns:
+        The model, every parameter on ``meta``.
+
+    Raises:
+        ImportError: transformers is missing.
+        FileNotFoundError / ValueError: see :func:`load_config`; ``ValueError`` also for an
+            unknown ``dtype`` or a config transformers has no causal-LM class for.
+    """
+    transformers = require_transformers()
+    if isinstance(config_or_path, (str, os.PathLike)):
+        config = load_config(config_or_path)
+    else:
+        config = copy.deepcopy(config_or_path)  # from_config records the dtype in the config
+    torch_dtype = config_dtype(config) if dtype is None else to_dtype(dtype)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} has no torch dtype to build a model in; use e.g. 'bfloat16' or 'float16'.")
+    try:
+        with init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    except ValueError as error:
+        raise ValueError(
+            f"transformers has no causal-LM class for model_type {getattr(config, 'model_type', None)!r} "
+            f"({_brief(error)}); bigmodel loads causal LMs only."
+        ) from error
+    model.tie_weights()
+    return model.eval()
+
+
+def no_split_classes(model: nn.Module) -> list[str]:
+    """Class names a device map must never split: the model's ``_no_split_modules`` (transformers)."""
+    return sorted(getattr(model, "_no_split_modules", None) or ())
+
+
+def read_device_map(path: str | os.PathLike) -> DeviceMap:
+    """Read a device map saved as JSON (``bigmodel plan --json`` writes this format).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the file is not a JSON object of module name → device (names the entry).
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"Device map file {str(file)!r} does not exist; pass auto, balanced, sequential or a JSON file "
+            "written by `bigmodel plan --json`."
+        )
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"Device map file {str(file)!r} is not valid JSON ({error}); regenerate it.") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"Device map file {str(file)!r} must hold a JSON object module name → device.")
+    result: DeviceMap = {}
+    for name, device in data.items():
+        try:
+            result[name] = normalize_device(device)
+        except ValueError as error:
+            raise ValueError(f"Device map file {str(file)!r}, entry {name!r}: {error}") from error
+    return result
+
+
+def plan_device_map(
+    model: nn.Module,
+    device_map: str | Mapping[str, Any] = "auto",
+    max_memory: Mapping[Any, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> DeviceMap:
+    """The device map a load would use: a dict is returned as is, a strategy name is planned.
+
+    Args:
+        model: the (meta) model; only sizes are read.
+        device_map: a dict, or ``"auto"``/``"balanced"``/``"balanced_low_0"`` (budgets spread
+            evenly over the accelerators) or ``"sequential"`` (fill devices in order).
+        max_memory: budgets device → bytes or size string; free memory when None.  What
+            does not fit goes to ``"disk"`` (unbounded unless a ``"disk"`` budget is given).
+        no_split_module_classes: class names never split; the model's own when None.
+        dtype: plan sizes as if floating weights were cast to it.
+
+    Returns:
+        dict module name → device (``int`` accelerator index, ``"cpu"`` or ``"disk"``).
+
+    Raises:
+        ValueError: an unknown strategy name (lists the accepted ones).
+    """
+    from ._memory import get_balanced_memory, get_max_memory
+    from ._planning import infer_auto_device_map
+
+    if not isinstance(device_map, str):
+        return {name: normalize_device(device) for name, device in device_map.items()}
+    if device_map not in STRING_DEVICE_MAPS:
+        raise ValueError(
+            f"Unknown device map {device_map!r}; use one of {', '.join(STRING_DEVICE_MAPS)}, a dict or a JSON file."
+        )
+    no_split = no_split_classes(model) if no_split_module_classes is None else list(no_split_module_classes)
+    budgets = get_max_memory(dict(max_memory) if max_memory is not None else None)
+    budgets.setdefault("disk", UNBOUNDED_DISK)
+    if device_map != "sequential":
+        low_zero = device_map == "balanced_low_0"
+        budgets = get_balanced_memory(model, budgets, no_split, dtype=dtype, low_zero=low_zero)
+    return infer_auto_device_map(model, max_memory=budgets, no_split_module_classes=no_split, dtype=dtype)
+
+
+def _check_disk_needs_folder(model: nn.Module, device_map: Mapping[str, Any], offload_folder: Any, dtype: Any) -> None:
+    """Raise early (before reading weights) when the map offloads to disk but no folder is given."""
+    on_disk = [name for name, device in device_map.items() if device == "disk"]
+    if not on_disk or offload_folder is not None:
+        return
+    sizes = compute_module_sizes(model, dtype=dtype)
+    layer_bytes, _ = get_max_layer_size(list(model.named_children()), sizes, no_split_classes(model))
+    disk_bytes = sum(sizes.get(name, 0) for name in on_disk)
+    what = "the whole model" if "" in on_disk else f"{len(on_disk)} module(s) such as {on_disk[0]!r}"
+    raise ValueError(
+        f"The memory budgets leave {what} ({disk_bytes:,} bytes) for disk but no offload folder was given; "
+        "pass offload_folder (CLI: --offload-folder DIR) or raise the budgets (CLI: --max-memory cpu=SIZE): "
+        f"the whole model is {sizes['']:,} bytes, its largest layer {layer_bytes:,} bytes."
+    )
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    device_map: str | Mapping[str, Any] = "auto",
+    max_memory: Mapping[Any, int | str] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+    no_split_module_classes: list[str] | None = None,
+    *,
+    offload_buffers: bool = False,
+    strict: bool = False,
+) -> nn.Module:
+    """Load a Hugging Face causal-LM folder under budgets and return the dispatched model.
+
+    Steps: config → empty model on ``meta`` → device map → each tensor straight to its
+    device (``"disk"`` tensors to ``offload_folder``) → hooks.  ``model.hf_device_map``
+    holds the map used.
+
+    Args:
+        path: model folder (``config.json`` + weights: safetensors or ``.bin``, sharded or not).
+        device_map: ``"auto"``, ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``, a dict
+            module name → device, or the path of a JSON device map.
+        max_memory: budgets device → bytes or size string (``{"cpu": "2GiB"}``); free memory when None.
+        offload_folder: where weights mapped to ``"disk"`` are kept; required if any are.
+        dtype: cast floating weights to it; the config's dtype when None.
+        no_split_module_classes: class names never split; ``model._no_split_modules`` when None.
+        offload_buffers: also offload buffers of offloaded modules.
+        strict: raise on checkpoint keys missing from the model or unexpected in it.
+
+    Returns:
+        The model in eval mode, with weights placed and hooks attached.
+
+    Raises:
+        ImportError: transformers is missing.
+        FileNotFoundError: no folder, no config.json, or no weights in the folder.
+        ValueError: unknown dtype or device map; the map offloads to disk and no
+            ``offload_folder`` is given (says how large the model and its largest layer are).
+    """
+    from ._checkpoint import resolve_checkpoint_files
+    from ._dispatch import load_checkpoint_and_dispatch
+
+    folder = resolve_model_folder(path)
+    resolve_checkpoint_files(folder)  # fail before building when there are no weights
+    model = empty_model(folder, dtype=dtype)
+    torch_dtype = next(model.parameters()).dtype
+    if isinstance(device_map, (str, os.PathLike)) and str(device_map) not in STRING_DEVICE_MAPS:
+        device_map = read_device_map(device_map)
+    no_split = no_split_classes(model) if no_split_module_classes is None else list(no_split_module_classes)
+    planned = plan_device_map(model, device_map, max_memory, no_split, dtype=torch_dtype)
+    _check_disk_needs_folder(model, planned, offload_folder, torch_dtype)
+    logger.info("Loading %s with device map over %s", folder, sorted({str(d) for d in planned.values()}))
+    model = load_checkpoint_and_dispatch(
+        model, str(folder), device_map=planned, no_split_module_classes=no_split,
+        offload_folder=None if offload_folder is None else str(offload_folder),
+        offload_buffers=offload_buffers, dtype=torch_dtype, strict=strict,
+    )  # fmt: skip
+    _attach_generation_config(model, folder)
+    return model.eval()
+
+
+def _attach_generation_config(model: nn.Module, folder: Path) -> None:
+    if not (folder / "generation_config.json").is_file():
+        return
+    transformers = require_transformers()
+    model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """True if the model folder holds tokenizer files."""
+    folder = Path(path)
+    return folder.is_dir() and any((folder / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer saved in a model folder.
+
+    Raises:
+        ValueError: the folder holds no tokenizer (says how to add one).
+    """
+    transformers = require_transformers()
+    folder = resolve_model_folder(path)
+    if not has_tokenizer(folder):
+        raise ValueError(
+            f"Model folder {str(folder)!r} has no tokenizer (no {' / '.join(_TOKENIZER_FILES)}), so a text "
+            "prompt cannot be encoded; save one there with tokenizer.save_pretrained(folder)."
+        )
+    return transformers.AutoTokenizer.from_pretrained(str(folder))

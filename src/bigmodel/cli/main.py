@@ -1,0 +1,72 @@
+"""Entry point of the ``bigmodel`` console script.
+
+Results go to stdout, logs and progress to stderr.  Bad input (missing folder or config,
+unknown dtype, budgets too small without an offload folder, no tokenizer...) ends with a
+one-line ``bigmodel: error: ...`` naming the problem and the fix, and exit status 2;
+``BIGMODEL_DEBUG=1`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .generate_cmd import add_generate_parser
+from .inspect_cmds import add_estimate_parser, add_plan_parser
+
+USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with the ``generate``, ``estimate`` and ``plan`` subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="bigmodel",
+        description="Run PyTorch models larger than the memory of any one device.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging on stderr (-vv: debug)")
+    subparsers = parser.add_subparsers(dest="command", metavar="{generate,estimate,plan}")
+    add_generate_parser(subparsers)
+    add_estimate_parser(subparsers)
+    add_plan_parser(subparsers)
+    return parser
+
+
+def _setup_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("bigmodel").setLevel(logging.INFO if verbosity == 0 else level)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 1 a check failed, 2 bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    _setup_logging(args.verbose)
+    try:
+        return args.run(args)
+    except USAGE_ERRORS as error:
+        if os.environ.get("BIGMODEL_DEBUG"):
+            raise
+        print(f"bigmodel: error: {_one_line(error)}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `bigmodel plan --json | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("bigmodel: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
