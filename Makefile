@@ -25,7 +25,7 @@ test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow and not distributed"
 
 run: venv
-	$(BIN)/bigmodel generate
+	$(BIN)/bigmodel generate --check
 
 # The benchmark venv sees everything in .venv (torch, transformers, bigmodel) through a .pth file;
 # accelerate==1.15.0 is installed here only, never into .venv.
