@@ -80,3 +80,15 @@ def resolve(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'bigmodel' has no attribute {name!r}")
     return getattr(importlib.import_module(f"bigmodel.{module}"), name)
+
+
+def lazy_getattr(module_name: str, names: list[str]) -> Any:
+    """A module-level ``__getattr__`` for a compatibility module that re-exports ``names`` lazily."""
+    allowed = frozenset(names)
+
+    def __getattr__(name: str) -> Any:
+        if name in allowed:
+            return resolve(name)
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from bigmodel._exports import resolve
+from bigmodel._exports import lazy_getattr
 
 __all__ = [
     "ModelHook",
@@ -22,8 +20,4 @@ __all__ = [
     "attach_layerwise_casting_hooks",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return resolve(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, __all__)

@@ -2,46 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from bigmodel._exports import lazy_getattr
+from bigmodel.utils import constants, modeling, offload, other
 
-from bigmodel._exports import resolve
+__all__ = [*modeling.__all__, *offload.__all__, *constants.__all__, *other.__all__]
 
-__all__ = [
-    "convert_file_size_to_int",
-    "dtype_byte_size",
-    "compute_module_sizes",
-    "compute_module_total_buffer_size",
-    "get_max_layer_size",
-    "calculate_maximum_sizes",
-    "get_max_memory",
-    "get_balanced_memory",
-    "named_module_tensors",
-    "get_non_persistent_buffers",
-    "set_module_tensor_to_device",
-    "find_tied_parameters",
-    "retie_parameters",
-    "check_tied_parameters_on_same_device",
-    "get_module_size_with_ties",
-    "infer_auto_device_map",
-    "check_device_map",
-    "clean_device_map",
-    "load_state_dict",
-    "load_checkpoint_in_model",
-    "get_state_dict_offloaded_model",
-    "has_offloaded_params",
-    "align_module_device",
-    "offload_weight",
-    "load_offloaded_weight",
-    "offload_state_dict",
-    "extract_submodules_state_dict",
-    "OffloadedWeightsLoader",
-    "PrefixedDataset",
-    "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
-    "extract_model_from_parallel",
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return resolve(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, __all__)
