@@ -205,6 +205,14 @@ class AlignDevicesHook(ModelHook):
         )
         if self.weights_map is None:
             self.weights_map = {name: t.detach().to("cpu") for name, t in tensors}
+        missing = [name for name, _ in tensors if name not in self.weights_map]
+        if missing:  # checked before any tensor is replaced: the module keeps its values
+            where = f" {self.module_name!r}" if self.module_name else ""
+            raise ValueError(
+                f"weights_map has no value for {len(missing)} tensor(s) of {type(module).__name__}{where}: "
+                f"{missing[:10]}; pass a weights_map holding every offloaded tensor (names relative to the "
+                "module), or weights_map=None to offload the module's own values."
+            )
         params = {name for name, _ in module.named_parameters(recurse=self.place_submodules)}
         for name, tensor in tensors:
             self.original_devices[name] = tensor.device
@@ -294,6 +302,11 @@ class AlignDevicesHook(ModelHook):
         if self.io_same_device and self.input_device is not None:
             output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)
         return output
+
+    def forward_failed(self, module: nn.Module) -> None:
+        """The forward raised: put the meta placeholders back so the loaded weights are freed."""
+        if self.offload and self._slots:
+            self.unload_weights(module)
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
         if not self.offload:

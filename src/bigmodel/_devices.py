@@ -89,8 +89,8 @@ def torch_device(device: DeviceSpec) -> torch.device:
     """The :class:`torch.device` for a spec; integers map onto the current accelerator type.
 
     Raises:
-        ValueError: for ``"disk"`` (not a torch device) or an accelerator index on a machine
-            without an accelerator.
+        ValueError: for ``"disk"`` (not a torch device), a string torch does not know as a
+            device (``"gpu"``), or an accelerator index on a machine without an accelerator.
     """
     if isinstance(device, torch.device):
         return device
@@ -98,7 +98,13 @@ def torch_device(device: DeviceSpec) -> torch.device:
         text = device.strip()
         if text == "disk":
             raise ValueError("'disk' is not a torch device; tensors mapped to disk live in the offload folder.")
-        return torch.device(text)
+        try:
+            return torch.device(text)
+        except RuntimeError as err:
+            raise ValueError(
+                f"Device {device!r} is not a device spec; use an int accelerator index, 'cpu', 'meta', "
+                "a torch.device or a string like 'cuda:1'."
+            ) from err
     index = normalize_device(device)
     kind = accelerator_type()
     if kind is None:

@@ -181,6 +181,36 @@ def _eager_calls() -> tuple[Callable, Callable]:
     return _EAGER["pre"], _EAGER["post"]
 
 
+def _run_hooked(
+    hook: ModelHook, mod: nn.Module, call_pre: Callable, call_post: Callable, args: tuple, kwargs: dict
+) -> Any:
+    """``pre_forward`` → the original forward (under ``no_grad`` if the hook asks) → ``post_forward``."""
+    args, kwargs = call_pre(hook, mod, args, kwargs)
+    if hook.no_grad:
+        with torch.no_grad():
+            output = mod._old_forward(*args, **kwargs)
+    else:
+        output = mod._old_forward(*args, **kwargs)
+    return call_post(hook, mod, output)
+
+
+def _forward_failed(hook: ModelHook, mod: nn.Module) -> None:
+    """After an exception in a hooked forward, let hooks that hold resources release them.
+
+    A hook may define ``forward_failed(module)`` (e.g. an offloading hook sends the weights
+    it loaded back to ``meta``, so a failed forward does not leak them).  Errors raised
+    while cleaning up are logged, never raised over the forward's own exception.
+    """
+    for inner in iter_hooks(hook):
+        cleanup = getattr(inner, "forward_failed", None)
+        if cleanup is None:
+            continue
+        try:
+            cleanup(mod)
+        except Exception:
+            logger.exception("Cleaning up %s after a failed forward failed too.", type(inner).__name__)
+
+
 def _make_forward(module: nn.Module, signature_source: Callable) -> Callable:
     ref = weakref.ref(module)
 
@@ -189,14 +219,13 @@ def _make_forward(module: nn.Module, signature_source: Callable) -> Callable:
         hook = mod._hf_hook
         # Under torch.compile the hooks run eagerly (graph break); importing the compiler is
         # only paid by programs that compile.
-        call_pre, call_post = _eager_calls() if torch.compiler.is_compiling() else (_call_pre, _call_post)
-        args, kwargs = call_pre(hook, mod, args, kwargs)
-        if hook.no_grad:
-            with torch.no_grad():
-                output = mod._old_forward(*args, **kwargs)
-        else:
-            output = mod._old_forward(*args, **kwargs)
-        return call_post(hook, mod, output)
+        if torch.compiler.is_compiling():
+            return _run_hooked(hook, mod, *_eager_calls(), args, kwargs)
+        try:
+            return _run_hooked(hook, mod, _call_pre, _call_post, args, kwargs)
+        except BaseException:
+            _forward_failed(hook, mod)
+            raise
 
     forward.__name__ = getattr(signature_source, "__name__", "forward")
     forward.__doc__ = getattr(signature_source, "__doc__", None)

@@ -30,8 +30,18 @@ class _Placement:
     include_buffers: bool
 
 
-_STACK: list[_Placement] = []
+# Open contexts are per thread (a model built in another thread meanwhile is unaffected);
+# the class-level patch is shared, installed while any thread has a context open.
+_LOCAL = threading.local()
 _LOCK = threading.Lock()
+_OPEN = [0]  # contexts open in all threads
+
+
+def _stack() -> list[_Placement]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
 
 
 def _same_device(tensor: torch.Tensor, device: torch.device) -> bool:
@@ -50,18 +60,20 @@ def _moved_parameter(param: nn.Parameter, device: torch.device) -> nn.Parameter:
 
 def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
     _ORIGINAL_REGISTER_PARAMETER(module, name, param)
-    if param is None or not _STACK:
+    stack = _stack()
+    if param is None or not stack:
         return
-    device = _STACK[-1].device
+    device = stack[-1].device
     if not _same_device(param, device):
         module._parameters[name] = _moved_parameter(param, device)
 
 
 def _register_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
     _ORIGINAL_REGISTER_BUFFER(module, name, tensor, persistent=persistent)
-    if tensor is None or not _STACK or not _STACK[-1].include_buffers:
+    stack = _stack()
+    if tensor is None or not stack or not stack[-1].include_buffers:
         return
-    device = _STACK[-1].device
+    device = stack[-1].device
     if not _same_device(tensor, device):
         module._buffers[name] = tensor.to(device)
 
@@ -116,21 +128,27 @@ def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | No
     target = torch_device(device) if not isinstance(device, torch.device) else device
     placement = _Placement(target, bool(include_buffers))
     with _LOCK:
-        if not _STACK:
+        if not _OPEN[0]:
             nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
             nn.Module.register_buffer = _register_buffer  # type: ignore[method-assign]
-        _STACK.append(placement)
+        _OPEN[0] += 1
+    local = _stack()
+    # An outer include_buffers context creates every tensor on its device; a real inner
+    # target must then create them itself (a meta tensor cannot be copied to the cpu).
+    outer_creates = any(p.include_buffers for p in local)
+    local.append(placement)
     try:
         with contextlib.ExitStack() as stack:
-            if placement.include_buffers:
+            if placement.include_buffers or (outer_creates and target.type != "meta"):
                 stack.enter_context(torch.device(target))
             if target.type == "meta":
                 stack.enter_context(_SkipMetaInit())
             yield
     finally:
+        local.remove(placement)
         with _LOCK:
-            _STACK.remove(placement)
-            if not _STACK:
+            _OPEN[0] -= 1
+            if not _OPEN[0]:
                 nn.Module.register_parameter = _ORIGINAL_REGISTER_PARAMETER  # type: ignore[method-assign]
                 nn.Module.register_buffer = _ORIGINAL_REGISTER_BUFFER  # type: ignore[method-assign]
 

@@ -7,6 +7,7 @@ it works on a model built on the ``meta`` device.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Iterable, Mapping
 
@@ -63,7 +64,7 @@ def convert_file_size_to_int(size: int | str) -> int:
         if size < 0:
             raise ValueError(f"Size {size} is negative; a memory size is a number of bytes >= 0.")
         return size
-    if isinstance(size, float) and size >= 0:
+    if isinstance(size, float) and 0 <= size < math.inf:  # nan and inf fall through to the error
         return int(size)
     if isinstance(size, str):
         match = _SIZE_STRING.match(size.lower())
