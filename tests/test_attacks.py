@@ -576,11 +576,6 @@ def test_exception_inside_align_module_device_reoffloads():
     assert torch.equal(model(x), expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_casting.LayerwiseCastingHook has no forward_failed: after an exception the weights stay in the "
-    "compute dtype (float32), a 4x memory leak for fp8 storage",
-)
 def test_exception_in_layerwise_cast_forward_restores_storage_dtype():
     layer = BoomLinear(3, 3)
     attach_layerwise_casting_hooks(layer, torch.float8_e4m3fn, torch.float32)

@@ -58,6 +58,10 @@ class LayerwiseCastingHook(ModelHook):
         _cast_own_tensors(module, self.storage_dtype, self.non_blocking)
         return output
 
+    def forward_failed(self, module: nn.Module) -> None:
+        """Back to the storage dtype when the forward raised (else the upcast copies would stay)."""
+        _cast_own_tensors(module, self.storage_dtype, self.non_blocking)
+
     def detach_hook(self, module: nn.Module) -> nn.Module:
         _cast_own_tensors(module, self.compute_dtype, self.non_blocking)
         return module
