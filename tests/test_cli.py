@@ -74,6 +74,40 @@ def test_generate_plan_json_round_trip_with_disk_and_check(tiny: Path, tmp_path:
     assert (tmp_path / "offload" / "index.json").is_file() or any((tmp_path / "offload").iterdir())
 
 
+def test_generate_without_offload_folder_uses_a_temporary_one(tiny: Path) -> None:
+    result = run_cli("generate", str(tiny), "--prompt", "w1 w2", "--max-new-tokens", "2", "--max-memory", "cpu=60KB")
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
+    assert int(rows["disk"][-3].replace(",", "")) > 0 and int(rows["total"][-2]) == LAYERS
+    match = re.search(r"No --offload-folder: offloading [\d,]+ bytes to the temporary folder (\S+) \(removed at exit\)",
+                      result.stderr)  # fmt: skip
+    assert match, result.stderr
+    assert not Path(match.group(1)).exists()
+    answer = result.stdout.split("prompt     w1 w2\n\n")[1].splitlines()[0].split()
+    assert len(answer) == 2 and all(word.startswith("w") for word in answer)
+
+
+def test_plan_shows_every_budgeted_device(tiny: Path, capsys) -> None:
+    assert main(["plan", str(tiny), "--max-memory", "0=1KB", "cpu=60KB", "disk=1GB"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert list(rows) == ["0", "cpu", "disk", "total"]
+    assert rows["0"][-3:] == ["0", "0", "0"]  # bytes, layers, tensors: budgeted but left empty
+
+
+def test_estimate_and_plan_count_the_same_bytes(tiny: Path, capsys) -> None:
+    assert main(["estimate", str(tiny), "--dtype", "bf16", "fp8"]) == 0
+    out = capsys.readouterr().out
+    estimated = {line.split()[0]: int(line.split()[3].replace(",", "")) for line in out.splitlines()
+                 if line.startswith(("bfloat16 ", "float8_e4m3fn "))}  # fmt: skip
+    assert "total: every parameter and buffer (tied weights once)" in out
+    params = int(re.search(r"parameters\s+([\d,]+)", out).group(1).replace(",", ""))
+    buffers = int(re.search(r"buffers\s+([\d,]+) elements", out).group(1).replace(",", ""))
+    assert estimated["float8_e4m3fn"] == params + buffers  # 1 byte per element, the rotary buffers included
+    assert main(["plan", str(tiny), "--dtype", "bf16"]) == 0
+    planned = int(table_rows(capsys.readouterr().out)["total"][-3].replace(",", ""))
+    assert planned == estimated["bfloat16"] == 2 * (params + buffers)  # float32 rotary buffers counted as planned
+
+
 def test_plan_405b_json_respects_budgets(capsys) -> None:
     budgets = {"cpu": 200 * 10**9, "disk": 700 * 10**9}
     assert main(["plan", str(LLAMA_405B), "--max-memory", "cpu=200GB", "disk=700GB", "--json"]) == 0
@@ -105,7 +139,8 @@ def test_estimate_405b_sizes_per_dtype(capsys) -> None:
     out = capsys.readouterr().out
     assert "parameters    405,853,388,800" in out
     assert "126 x LlamaDecoderLayer" in out and "config dtype  bfloat16" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()[6:]}
+    dtypes = ("float32", "bfloat16", "float16", "float8_e4m3fn", "int4")
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(dtypes)}
     params = 405_853_388_800
     assert int(rows["float32"][3].replace(",", "")) >= 4 * params
     assert int(rows["bfloat16"][3].replace(",", "")) >= 2 * params
@@ -127,7 +162,8 @@ def test_unknown_dtype_in_a_subprocess_is_one_line_exit_2(tiny: Path) -> None:
     [
         ("no-config", r"No config\.json in .*; pass a Hugging Face model folder"),
         ("no-tokenizer", r"has no tokenizer .* save one there with tokenizer\.save_pretrained"),
-        ("tiny-budget", r"leave the whole model .* for disk but no offload folder .* --offload-folder DIR"),
+        ("tiny-budget", r"with the budgets \{'cpu': 1,000, 'disk': 1,000\} .* Raise the \"disk\" budget"),
+        ("no-layer-fits", r"too small for even one layer outside disk and no --offload-folder .* pass --offload-folder"),
         ("bad-budget", r"--max-memory item 'cpu' is not DEVICE=SIZE; write e\.g\. cpu=2GiB"),
         ("plan-no-config", r"No config\.json in"),
     ],
@@ -136,7 +172,8 @@ def test_bad_input_is_one_line_exit_2(case: str, message: str, tiny: Path, tmp_p
     argv = {
         "no-config": ["generate", str(tmp_path), "--prompt", "hi"],
         "no-tokenizer": ["generate", str(copy_without_tokenizer(tiny, tmp_path / "m")), "--prompt", "w1"],
-        "tiny-budget": ["generate", str(tiny), "--prompt", "w1", "--max-memory", "cpu=1KB"],
+        "tiny-budget": ["generate", str(tiny), "--prompt", "w1", "--max-memory", "cpu=1KB", "disk=1KB"],
+        "no-layer-fits": ["generate", str(tiny), "--prompt", "w1", "--max-memory", "cpu=1KB"],
         "bad-budget": ["plan", str(tiny), "--max-memory", "cpu"],
         "plan-no-config": ["plan", str(tmp_path)],
     }[case]

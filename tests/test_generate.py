@@ -10,7 +10,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bigmodel._generate import check_against_in_memory, encode_prompt, forward_logits, generate  # noqa: E402
+from bigmodel._generate import (  # noqa: E402
+    check_against_in_memory,
+    encode_prompt,
+    forward_logits,
+    generate,
+    quiet_transformers,
+)
 from bigmodel._hf import load_pretrained, load_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,3 +65,17 @@ def test_max_new_tokens_must_be_positive(tiny: Path) -> None:
     plain = transformers.AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
     with pytest.raises(ValueError, match=r"max_new_tokens=0 must be at least 1"):
         generate(plain, load_tokenizer(tiny), "w1", max_new_tokens=0)
+
+
+def test_check_shows_no_transformers_progress_and_restores_its_settings(tiny: Path, capfd) -> None:
+    hf_logging = transformers.utils.logging
+    hf_logging.enable_progress_bar()
+    hf_logging.set_verbosity_warning()
+    model = load_pretrained(tiny, max_memory={"cpu": "1GB"})
+    capfd.readouterr()
+    check = check_against_in_memory(model, tiny, torch.tensor([[4, 5, 6]]))
+    assert check.identical
+    assert "Loading weights" not in capfd.readouterr().err  # transformers draws it even without a terminal
+    assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == hf_logging.WARNING
+    with quiet_transformers(transformers):
+        assert not hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == hf_logging.ERROR

@@ -126,7 +126,7 @@ def test_dict_map_is_checked():
 
 def test_model_that_fits_nowhere_without_disk_names_module_size_and_fix():
     model = Layers(250, 250, 500)
-    expected = r"Module 'layers.2' \(2000 bytes\) fits on no device .* Add \"disk\" to max_memory"
+    expected = r"Module 'layers.2' \(2,000 bytes\) fits on no device .* Add \"disk\" to max_memory"
     with pytest.raises(ValueError, match=expected):
         infer_auto_device_map(model, {0: 3100, "cpu": 1500})
     device_map = infer_auto_device_map(model, {0: 3100, "cpu": 1500, "disk": 10**6})
@@ -145,7 +145,9 @@ def test_models_without_children_or_tensors_get_one_entry():
 
 
 def test_disk_budget_is_honoured():
-    with pytest.raises(ValueError, match="fits on no device"):
+    budgets = r"the budgets \{'cpu': 100, 'disk': 1,000\} \(bytes\)"
+    expected = r"\(2,000 bytes\) fits on no device with " + budgets + r"\. Raise the \"disk\" budget"
+    with pytest.raises(ValueError, match=expected):
         infer_auto_device_map(Layers(250, 500), {"cpu": 100, "disk": 1000})
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from torch import nn
 
@@ -76,3 +79,21 @@ def test_cpu_budget_puts_the_share_of_layers_on_disk(share: float, on_disk: int)
 def test_share_must_be_a_fraction() -> None:
     with pytest.raises(ValueError, match=r"share=1.5 is not a fraction; pass a number between 0 and 1"):
         cpu_budget_for_disk_share(meta_net(), 1.5)
+
+
+def test_tied_model_wholly_on_disk_counts_the_tie_once(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tiny_hf import write_tiny_llama
+
+    from bigmodel import compute_module_sizes
+    from bigmodel._hf import empty_model, load_pretrained
+
+    folder = write_tiny_llama(tmp_path / "tied", tokenizer=False, tie=True)
+    model = load_pretrained(folder, max_memory={"cpu": 0}, offload_folder=tmp_path / "off")
+    assert model.hf_device_map == {"": "disk"}
+    empty = empty_model(folder)
+    tensors = len(list(empty.named_parameters())) + len(list(empty.named_buffers()))  # lm_head.weight once
+    expected = [DeviceUsage("disk", compute_module_sizes(empty)[""], 4, tensors)]
+    assert device_map_usage(empty, {"": "disk"}) == expected
+    assert device_map_usage(model, model.hf_device_map) == expected  # offloading broke the tie; counted once

@@ -82,7 +82,7 @@ def embedded_model_folder(cache_dir: str | os.PathLike | None = None) -> Path:
         return folder
     source = gguf_path()
     root.mkdir(parents=True, exist_ok=True)
-    logger.info("Converting %s once into %s (about a minute) ...", source, folder)
+    logger.info("Converting %s once into %s (a few seconds to a minute) ...", source, folder)
     staging = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}-", dir=root))
     try:
         convert_gguf(source, staging)

@@ -279,11 +279,16 @@ def _fits_nowhere(ctx: PlanContext, bundle: list[Unit], size: int, reserve: int)
     what = repr(bundle[0].name or type(bundle[0].module).__name__)
     if len(bundle) > 1:
         what += f" with the modules tied to it {[unit.name for unit in bundle[1:]]}"
-    budgets = dict(zip(ctx.devices, ctx.limits))
-    kept = f" ({reserve} bytes are kept free on the execution device to bring back offloaded layers)" if reserve else ""
+    budgets = ", ".join(f"{device!r}: {limit:,}" for device, limit in zip(ctx.devices, ctx.limits))
+    kept = f" ({reserve:,} bytes are kept free on the execution device to bring back offloaded layers)"
+    kept = kept if reserve else ""
+    fix = (
+        'Raise the "disk" budget in max_memory (or the others).'
+        if "disk" in ctx.devices
+        else 'Add "disk" to max_memory (and pass an offload folder when loading) or raise a budget.'
+    )
     return ValueError(
-        f"Module {what} ({size} bytes) fits on no device with the budgets {budgets}{kept}. "
-        'Add "disk" to max_memory (and pass an offload folder when loading) or raise a budget.'
+        f"Module {what} ({size:,} bytes) fits on no device with the budgets {{{budgets}}} (bytes){kept}. {fix}"
     )
 
 

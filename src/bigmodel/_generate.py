@@ -7,9 +7,11 @@ and the logits are compared bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +78,25 @@ def input_device(model: nn.Module) -> torch.device:
     return weight.device
 
 
+@contextlib.contextmanager
+def quiet_transformers(transformers: Any) -> Iterator[None]:
+    """Hide transformers' progress bars and messages below errors for the block; restores both after.
+
+    The reference load of the logits check is not a load the user asked for: its "Loading
+    weights" bar would land between the answer and the check line.
+    """
+    hf_logging = transformers.utils.logging
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 @torch.inference_mode()
 def generate(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int = 32, chat: bool = True) -> Generation:
     """Greedy generation (``do_sample=False``) of up to ``max_new_tokens`` tokens after ``prompt``.
@@ -124,7 +145,8 @@ def check_against_in_memory(
     if dtype is None:
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     dispatched = forward_logits(model, ids)
-    reference_model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    with quiet_transformers(transformers):
+        reference_model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     reference = forward_logits(reference_model, ids)
     del reference_model
     gc.collect()

@@ -235,7 +235,7 @@ def _check_disk_needs_folder(model: nn.Module, device_map: Mapping[str, Any], of
     disk_bytes = sum(sizes.get(name, 0) for name in on_disk)
     what = "the whole model" if "" in on_disk else f"{len(on_disk)} module(s) such as {on_disk[0]!r}"
     raise ValueError(
-        f"The memory budgets leave {what} ({disk_bytes:,} bytes) for disk but no offload folder was given; "
+        f"The memory budgets leave {what} ({disk_bytes:,} bytes in all) for disk but no offload folder was given; "
         "pass offload_folder (CLI: --offload-folder DIR) or raise the budgets (CLI: --max-memory cpu=SIZE): "
         f"the whole model is {sizes['']:,} bytes, its largest layer {layer_bytes:,} bytes."
     )

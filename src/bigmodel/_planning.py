@@ -159,11 +159,11 @@ def _warn_if_short(ctx: PlanContext, placed: Placed) -> None:
     if missing > 0:
         execution, need = offload_need(ctx, placed)
         logger.warning(
-            "Device %r cannot keep %d bytes free to bring back offloaded layers (%d bytes short); "
+            "Device %r cannot keep %s bytes free to bring back offloaded layers (%s bytes short); "
             "raise its budget in max_memory.",
             execution,
-            need,
-            missing,
+            f"{need:,}",
+            f"{missing:,}",
         )
 
 

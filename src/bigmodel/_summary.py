@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from ._devices import device_sort_key
+from ._hook_registry import TIED_PARAMS
 from ._sizes import compute_module_sizes
-from ._tensors import device_of
+from ._tensors import device_of, find_tied_parameters
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,37 @@ def _layer_names(model: nn.Module, no_split_module_classes: list[str]) -> list[s
     return [name for name, module in model.named_modules() if type(module).__name__ in no_split]
 
 
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Groups of tied parameter names: those tied now, and those dispatch recorded as tied.
+
+    Dispatching a model whose tied weights are offloaded replaces each of them by its own
+    ``meta`` placeholder, so the tie is no longer visible by identity; dispatch records
+    the groups on the model (see :func:`bigmodel.dispatch_model`), and they are read here.
+    """
+    groups = [list(group) for group in find_tied_parameters(model)]
+    known = {frozenset(group) for group in groups}
+    for group in model.__dict__.get(TIED_PARAMS) or ():
+        if frozenset(group) not in known:
+            groups.append(list(group))
+            known.add(frozenset(group))
+    return groups
+
+
 def tensor_sizes(model: nn.Module, dtype: torch.dtype | str | None = None) -> dict[str, int]:
-    """Bytes of every parameter and buffer (tied tensors counted once, under their first name)."""
+    """Bytes of every parameter and buffer, each tied group counted once under its first name.
+
+    The first name is the one :meth:`nn.Module.named_parameters` gives first, as in
+    :func:`bigmodel.compute_module_sizes`; ties broken by offloading (see :func:`tied_groups`)
+    are counted once too.
+    """
     sizes = compute_module_sizes(model, dtype=dtype)
     names = [name for name, _ in model.named_parameters()] + [name for name, _ in model.named_buffers()]
-    return {name: sizes[name] for name in names if name in sizes}
+    order = {name: index for index, name in enumerate(names)}
+    duplicates: set[str] = set()
+    for group in tied_groups(model):
+        present = sorted((name for name in group if name in order), key=order.__getitem__)
+        duplicates.update(present[1:])
+    return {name: sizes[name] for name in names if name in sizes and name not in duplicates}
 
 
 def device_map_usage(

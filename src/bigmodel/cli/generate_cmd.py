@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from .. import _embedded, _generate, _hf, _summary
-from .._sizes import compute_module_sizes
 from ._format import human_bytes, key_values
 from ._options import dtype_label, parse_dtype, parse_max_memory
 from .inspect_cmds import budget_text, usage_table
@@ -40,7 +39,10 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "--device-map", default="auto", metavar="auto|balanced|sequential|FILE.json",
         help="planning strategy, or a JSON map written by `bigmodel plan --json` (default: auto)",
     )  # fmt: skip
-    parser.add_argument("--offload-folder", metavar="DIR", help="where weights mapped to disk are kept")
+    parser.add_argument(
+        "--offload-folder", metavar="DIR",
+        help="where weights mapped to disk are kept (default: a temporary folder, removed at exit)",
+    )  # fmt: skip
     parser.add_argument("--dtype", help="load floating weights in this dtype (default: the config's)")
     parser.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     parser.add_argument("--check", action="store_true", help="also run the model whole in memory and compare logits")
@@ -63,8 +65,9 @@ def peak_rss_bytes() -> int:
 def rss_split_bytes() -> tuple[int, int] | None:
     """Current ``(anonymous, file-backed)`` resident bytes (Linux), or None elsewhere.
 
-    Weights mapped from safetensors or offload files count as file-backed: page cache the
-    kernel can drop under pressure, unlike anonymous memory.
+    File-backed pages are those of mapped files: shared libraries, and weights mapped from
+    safetensors or offload files (page cache the kernel can drop under pressure, unlike
+    anonymous memory).
     """
     try:
         with open("/proc/self/status") as status:
@@ -74,54 +77,95 @@ def rss_split_bytes() -> tuple[int, int] | None:
         return None
 
 
-def _rss_text() -> str:
-    split = rss_split_bytes()
+def rss_text(before_load: tuple[int, int] | None) -> str:
+    """Peak RSS, and the current RSS split into private memory, mapped weights and libraries.
+
+    Args:
+        before_load: :func:`rss_split_bytes` taken just before the load; the file-backed
+            bytes then (shared libraries, mostly) are told apart from those mapped since (weights).
+    """
     text = human_bytes(peak_rss_bytes())
-    if split is not None:
-        text += f" (now {human_bytes(split[0])} private + {human_bytes(split[1])} file-backed mapped weights)"
-    return text
+    now = rss_split_bytes()
+    if now is None:
+        return text
+    private, file_backed = now
+    if before_load is None:
+        return f"{text} (now {human_bytes(private)} private + {human_bytes(file_backed)} file-backed)"
+    libraries = min(before_load[1], file_backed)
+    weights = file_backed - libraries
+    return (
+        f"{text} (now {human_bytes(private)} private + {human_bytes(weights)} mapped weights "
+        f"+ {human_bytes(libraries)} libraries)"
+    )
 
 
-def _embedded_budgets(folder: Path, dtype: torch.dtype | None) -> dict[str, int]:
+def _embedded_budgets(model: nn.Module) -> dict[str, int]:
     """Budgets that put about half of the embedded model's layers on disk."""
-    model = _hf.empty_model(folder, dtype=dtype)
     cpu = _summary.cpu_budget_for_disk_share(model, 0.5, dtype=next(model.parameters()).dtype)
     return {"cpu": cpu, "disk": _hf.UNBOUNDED_DISK}
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    """Load, report the device map, generate, optionally check; returns the exit status (1: logits differ)."""
-    dtype = parse_dtype(args.dtype)
-    budgets = parse_max_memory(args.max_memory)
+def _check_args(args: argparse.Namespace) -> None:
+    """Reject bad --max-new-tokens and --threads values (ValueError naming them); apply --threads."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads} must be at least 1.")
         torch.set_num_threads(args.threads)
+
+
+def _offload_folder(stack: contextlib.ExitStack, given: str | None, usage: list[_summary.DeviceUsage]) -> str | None:
+    """The offload folder: the one given, else a temporary one (removed at exit) when the plan uses disk."""
+    on_disk = next((u.nbytes for u in usage if u.device == "disk"), 0)
+    if given is not None or not on_disk:
+        return given
+    if not any(u.layers for u in usage if u.device != "disk"):
+        raise ValueError(
+            "The memory budgets are too small for even one layer outside disk and no --offload-folder was given; "
+            "raise --max-memory (e.g. cpu=SIZE) or pass --offload-folder DIR to run every layer from disk."
+        )
+    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="bigmodel-offload-"))
+    logger.info(
+        "No --offload-folder: offloading %s bytes to the temporary folder %s (removed at exit).", f"{on_disk:,}", folder
+    )
+    return folder
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Load, report the device map, generate, optionally check; returns the exit status (1: logits differ)."""
+    dtype = parse_dtype(args.dtype)
+    budgets = parse_max_memory(args.max_memory)
+    _check_args(args)
     embedded = args.model is None
     folder = _embedded.embedded_model_folder() if embedded else _hf.resolve_model_folder(args.model)
     tokenizer = _hf.load_tokenizer(folder)
+    start = time.perf_counter()
+    empty = _hf.empty_model(folder, dtype=dtype)
+    torch_dtype = next(empty.parameters()).dtype
+    plan_seconds = time.perf_counter() - start
     if embedded and budgets is None and args.device_map == "auto":
-        budgets = _embedded_budgets(folder, dtype)
+        budgets = _embedded_budgets(empty)  # a search over plans, not part of a load
+    start = time.perf_counter()
+    strategy = args.device_map if args.device_map in _hf.STRING_DEVICE_MAPS else _hf.read_device_map(args.device_map)
+    planned = _hf.plan_device_map(empty, strategy, budgets, dtype=torch_dtype)
+    usage = _summary.device_map_usage(empty, planned, dtype=torch_dtype)
+    plan_seconds += time.perf_counter() - start
     with contextlib.ExitStack() as stack:
-        offload = args.offload_folder
-        if offload is None and embedded:
-            offload = stack.enter_context(tempfile.TemporaryDirectory(prefix="bigmodel-offload-"))
-            logger.info("Offloading to the temporary folder %s", offload)
+        offload = _offload_folder(stack, args.offload_folder, usage)
+        before_load = rss_split_bytes()
         start = time.perf_counter()
-        model = _hf.load_pretrained(folder, args.device_map, budgets, offload, dtype)
-        load_seconds = time.perf_counter() - start
-        usage = _summary.device_map_usage(model, model.hf_device_map)
+        model = _hf.load_pretrained(folder, planned, None, offload, dtype)
+        load_seconds = plan_seconds + time.perf_counter() - start  # as long as a load_pretrained that plans
         result = _generate.generate(model, tokenizer, args.prompt, args.max_new_tokens, chat=not args.no_chat)
         source = budgets if args.device_map in _hf.STRING_DEVICE_MAPS else f"device map {args.device_map}"
-        _print_report(folder, model, usage, source, load_seconds, result, args.prompt)
-        return _run_check(model, folder, result) if args.check else 0
+        _print_report(folder, model, usage, source, load_seconds, result, args.prompt, rss_text(before_load))
+        return _run_check(model, folder, result, sum(u.nbytes for u in usage)) if args.check else 0
 
 
 def _print_report(
     folder: Path, model: nn.Module, usage: list[_summary.DeviceUsage], budgets: dict | str | None,
-    load_seconds: float, result: _generate.Generation, prompt: str,
+    load_seconds: float, result: _generate.Generation, prompt: str, rss: str,
 ) -> None:  # fmt: skip
     dtype = next(model.parameters()).dtype
     plan = budgets if isinstance(budgets, str) else budget_text(budgets)
@@ -133,7 +177,7 @@ def _print_report(
     print(key_values([
         ("load time", f"{load_seconds:.2f} s"),
         ("generated", f"{result.new_tokens} tokens in {result.seconds:.2f} s ({result.tokens_per_second:.2f} tokens/s)"),
-        ("peak RSS", _rss_text()),
+        ("peak RSS", rss),
         ("prompt", prompt),
     ]))  # fmt: skip
     print()
@@ -141,9 +185,8 @@ def _print_report(
     sys.stdout.flush()
 
 
-def _run_check(model: nn.Module, folder: Path, result: _generate.Generation) -> int:
-    """Compare with the model loaded whole in memory; exit status 1 if the logits differ."""
-    need = compute_module_sizes(model)[""]
+def _run_check(model: nn.Module, folder: Path, result: _generate.Generation, need: int) -> int:
+    """Compare with the model loaded whole in memory (``need`` bytes); exit status 1 if the logits differ."""
     available = psutil.virtual_memory().available
     if need > 0.8 * available:
         short = f"the model needs {human_bytes(need)} in memory, only {human_bytes(available)} is available"

@@ -7,11 +7,17 @@ import json
 import logging
 
 from .. import _hf, _summary
+from .._devices import device_sort_key
 from .._sizes import compute_module_sizes, get_max_layer_size
 from ._format import human_bytes, key_values, table
 from ._options import DTYPE_CHOICES, dtype_label, parse_dtype, parse_max_memory, parse_size_dtype
 
 logger = logging.getLogger(__name__)
+
+ESTIMATE_NOTE = (
+    "total: every parameter and buffer (tied weights once), floating ones in the row's dtype; "
+    "the same bytes `bigmodel plan --dtype D` places."
+)
 
 
 def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -60,14 +66,18 @@ def run_estimate(args: argparse.Namespace) -> int:
         total = sizes[""]
         rows.append((dtype_label(dtype), human_bytes(total), f"{total:,}", human_bytes(layer_bytes), layer_names[0]))
     params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() for b in model.buffers())
     print(key_values([
         ("model", f"{args.model} ({type(model).__name__})"),
         ("parameters", f"{params:,}"),
+        ("buffers", f"{buffers:,} elements"),
         ("layers", f"{_summary.count_layers(model, no_split)} x {', '.join(no_split) or '-'}"),
         ("config dtype", dtype_label(declared)),
     ]))  # fmt: skip
     print()
     print(table(("dtype", "total", "total bytes", "largest layer", "e.g."), rows))
+    print()
+    print(ESTIMATE_NOTE)
     return 0
 
 
@@ -80,7 +90,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(device_map, indent=1))
         return 0
-    usage = _summary.device_map_usage(model, device_map)
+    usage = _summary.device_map_usage(model, device_map, dtype=dtype)
     print(key_values([
         ("model", f"{args.model} ({type(model).__name__}, {dtype_label(dtype)})"),
         ("budgets", budget_text(budgets)),
@@ -103,11 +113,16 @@ def budget_bytes(size: int | None) -> str:
 
 
 def usage_table(usage: list[_summary.DeviceUsage], budgets: dict | None) -> str:
-    """Per-device table: budget, planned bytes, layers, tensors, with a total row."""
+    """Per-device table: budget, planned bytes, layers, tensors, with a total row.
+
+    Every budgeted device has a row, those the plan leaves empty included (0 bytes, 0 layers).
+    """
     budgets = budgets or {}
+    held = {u.device for u in usage}
+    idle = [_summary.DeviceUsage(device, 0, 0, 0) for device in budgets if device not in held]
     rows: list[tuple] = [
         (str(u.device), budget_bytes(budgets.get(u.device)), human_bytes(u.nbytes), f"{u.nbytes:,}", u.layers, u.tensors)
-        for u in usage
+        for u in sorted([*usage, *idle], key=lambda u: device_sort_key(u.device))
     ]
     total = sum(u.nbytes for u in usage)
     layers, tensors = sum(u.layers for u in usage), sum(u.tensors for u in usage)

@@ -1,7 +1,7 @@
 """Entry point of the ``bigmodel`` console script.
 
 Results go to stdout, logs and progress to stderr.  Bad input (missing folder or config,
-unknown dtype, budgets too small without an offload folder, no tokenizer...) ends with a
+unknown dtype, budgets too small for even one layer, no tokenizer...) ends with a
 one-line ``bigmodel: error: ...`` naming the problem and the fix, and exit status 2;
 ``BIGMODEL_DEBUG=1`` shows the traceback instead.
 """
