@@ -259,3 +259,126 @@ def test_torch_compile_runs_dispatched_model(backend, reference, tmp_path):
     with torch.no_grad():
         assert torch.equal(compiled(IDS), expected)
         assert torch.equal(compiled(IDS), expected)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
+def test_del_releases_the_offload_file_mappings_without_gc(reference, tmp_path):
+    state, expected = reference
+    model = dispatch_model(loaded(state), MAPS["all_disk"], offload_dir=tmp_path)
+    dat = str((tmp_path / "layers.2.up.weight.dat").resolve())
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for line in maps if line.rstrip().endswith(dat))
+
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(IDS), expected)
+    assert mapped() == 1  # mapped once, reused by every forward
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert mapped() == 0
+    finally:
+        gc.enable()
+
+
+@pytest.fixture
+def transfer_calls(monkeypatch):
+    """Record the accelerator transfer layer's use by dispatch: pinning and the device stager."""
+    from bigmodel import _dispatch
+
+    calls: dict = {"pinned": [], "staged": 0}
+    real_pin = _dispatch.pin_tensors
+
+    def pin(tensors, enabled=True):
+        calls["pinned"].append(sorted(tensors))
+        return real_pin(tensors, enabled)
+
+    class Stager(_dispatch.DeviceStager):
+        def __call__(self, values, device):
+            calls["staged"] += 1
+            return super().__call__(values, device)
+
+    monkeypatch.setattr(_dispatch, "pin_tensors", pin)
+    monkeypatch.setattr(_dispatch, "DeviceStager", Stager)
+    return calls
+
+
+def _as_accelerator(monkeypatch) -> None:
+    """Make dispatch treat the CPU execution device as an accelerator (the transfer layer is the identity on CPU)."""
+    from bigmodel import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_runs_on_accelerator", lambda device: device is not None and device != "disk")
+
+
+def test_cpu_execution_never_pins_or_stages(reference, tmp_path, transfer_calls):
+    from bigmodel import _prefetch
+
+    state, expected = reference
+    models = [
+        dispatch_model(loaded(state), MAPS["cpu_disk"], offload_dir=tmp_path / "a"),
+        cpu_offload(loaded(state)),
+        disk_offload(loaded(state), tmp_path / "b"),
+    ]
+    chained, _ = cpu_offload_with_hook(loaded(state), "cpu")
+    assert type(chained._hf_hook).__name__ == "CpuOffload"
+    with torch.no_grad():
+        for model in models + [chained]:
+            for _ in range(3):
+                assert torch.equal(model(IDS), expected)
+    for model in models:
+        assert model.layers[1].up._hf_hook.prefetcher.stage is _prefetch.stage
+    assert transfer_calls == {"pinned": [], "staged": 0}
+
+
+def test_accelerator_execution_pins_cpu_weights_once_and_stages(reference, tmp_path, transfer_calls, monkeypatch):
+    _as_accelerator(monkeypatch)
+    state, expected = reference
+    model = dispatch_model(loaded(state), MAPS["cpu_disk"], main_device="cpu", offload_dir=tmp_path)
+    on_cpu = ("embed.", "layers.0.", "layers.3.", "lm_head.", "scale")
+    assert transfer_calls["pinned"] == [sorted(k for k in state if k.startswith(on_cpu))]  # never the disk part
+    prefetcher = model.layers[1].up._hf_hook.prefetcher
+    assert type(prefetcher.stage).__name__ == "Stager" and not prefetcher.in_place
+    prefetcher.min_bytes = 0  # the test model's modules are below the default threshold
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(IDS), expected)
+    assert transfer_calls["staged"] > 0 and len(transfer_calls["pinned"]) == 1
+
+
+@pytest.mark.parametrize("kind", ["cpu_offload", "disk_offload"])
+def test_whole_model_offload_to_accelerator_pins_and_stages(kind, reference, tmp_path, transfer_calls, monkeypatch):
+    _as_accelerator(monkeypatch)
+    state, expected = reference
+    if kind == "cpu_offload":
+        model = cpu_offload(loaded(state), execution_device="cpu")
+        assert transfer_calls["pinned"] == [sorted(state)]
+    else:
+        model = disk_offload(loaded(state), tmp_path, execution_device="cpu")
+        assert transfer_calls["pinned"] == []  # disk values go through the stager's staging buffer instead
+    model.layers[1].up._hf_hook.prefetcher.min_bytes = 0
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(IDS), expected)
+    assert transfer_calls["staged"] > 0
+
+
+def test_cpu_offload_with_hook_to_accelerator_pins_once(reference, transfer_calls, monkeypatch):
+    from bigmodel._dispatch import PinnedCpuOffload
+
+    _as_accelerator(monkeypatch)
+    state, expected = reference
+    first, hook1 = cpu_offload_with_hook(loaded(state), "cpu")
+    second, hook2 = cpu_offload_with_hook(nn.Identity(), "cpu", prev_module_hook=hook1)
+    assert isinstance(first._hf_hook, PinnedCpuOffload)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(second(first(IDS)), expected)
+            hook2.offload()
+    assert transfer_calls["pinned"] == [sorted(
+        name for name, _ in [*first.named_parameters(), *first.named_buffers()]
+    )]  # once for the first model (the Identity has no tensors), not per forward or offload
+    hook1.remove()
+    assert not hasattr(first, "_hf_hook") and torch.equal(first(IDS), expected)

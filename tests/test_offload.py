@@ -141,3 +141,76 @@ def test_writer_refuses_folder_that_cannot_be_created(tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(PermissionError, match=r"Offload folder .*a_file/off' is not writable"):
         OffloadWriter(tmp_path / "a_file" / "off")
+
+
+def _mappings_of(path) -> int:
+    """How many memory maps of ``path`` this process holds (Linux /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if line.rstrip().endswith(str(path)))
+
+
+linux_maps = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
+
+
+@linux_maps
+def test_loader_maps_each_file_once_and_releases_it_when_collected(tmp_path):
+    import gc
+
+    st = tmp_path / "ckpt.safetensors"
+    save_file({"a": torch.randn(64, 64), "b": torch.randn(64)}, st)
+    folder = tmp_path / "off"
+    index = offload_weight(torch.randn(128, 64), "w", folder)
+    index.update({name: {"safetensors_file": str(st), "weight_name": name, "dtype": "float32"} for name in "ab"})
+    save_offload_index(index, folder)
+    dat = (folder / "w.dat").resolve()
+    loader = OffloadedWeightsLoader(save_folder=folder)
+    first = [loader[name] for name in ("w", "a", "b")]
+    again = [loader[name] for name in ("w", "a", "b")]
+    assert _mappings_of(dat) == 1 and _mappings_of(st.resolve()) == 1
+    for x, y in zip(first, again):
+        assert x is not y and x.data_ptr() == y.data_ptr()  # new views of one mapping
+    again[0].resize_(3)  # a caller changing its view's metadata does not change the cached view
+    assert loader["w"].shape == (128, 64)
+    gc.collect()
+    gc.disable()
+    try:
+        del loader, first, again, x, y
+        assert _mappings_of(dat) == 0 and _mappings_of(st.resolve()) == 0  # no reference cycle keeps them
+    finally:
+        gc.enable()
+
+
+def test_loader_does_not_keep_cast_copies(tmp_path):
+    st = tmp_path / "ckpt.safetensors"
+    save_file({"x": torch.randn(8, 8)}, st)
+    index = {"x16": {"safetensors_file": str(st), "weight_name": "x", "dtype": "float16"}}
+    loader = OffloadedWeightsLoader(index=index)
+    one, two = loader["x16"], loader["x16"]
+    assert one.dtype == torch.float16 and torch.equal(one, two)
+    assert one.data_ptr() != two.data_ptr() and not loader._mapped  # a copy per read, none held in RAM
+
+
+@linux_maps
+def test_loader_concurrent_reads_map_once(tmp_path):
+    import threading
+
+    values = {f"t{i}": torch.full((256,), float(i)) for i in range(8)}
+    offload_state_dict(tmp_path, values)
+    loader = OffloadedWeightsLoader(save_folder=tmp_path)
+    start = threading.Barrier(4)
+    errors: list = []
+
+    def read() -> None:
+        start.wait()
+        for _ in range(20):
+            for name, expected in values.items():
+                if not torch.equal(loader[name], expected):
+                    errors.append(name)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert [_mappings_of((tmp_path / f"{name}.dat").resolve()) for name in values] == [1] * 8

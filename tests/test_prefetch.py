@@ -192,3 +192,51 @@ def test_prefetcher_read_errors_surface_on_take():
     prefetcher = Prefetcher(depth=1, min_bytes=0)
     with pytest.raises(KeyError, match="missing"):
         prefetcher.take(Hook())
+
+
+def test_pages_resident_asks_the_kernel():
+    from bigmodel import _prefetch
+
+    if _prefetch._MINCORE is None:
+        pytest.skip("no mincore on this platform")
+    untouched = torch.empty(64 * 2**20, dtype=torch.uint8)  # large: its own fresh mapping, pages not faulted in
+    assert not _prefetch.pages_resident(untouched)
+    untouched[: 32 * 2**20].fill_(1)
+    assert not _prefetch.pages_resident(untouched)  # the end is still not in RAM
+    untouched.fill_(1)
+    assert _prefetch.pages_resident(untouched)
+    assert _prefetch.pages_resident(torch.empty(0))
+    assert not _prefetch.pages_resident(torch.ones(8, 8).t())  # non-contiguous: unknown, so read ahead
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_cpu_read_ahead_only_for_pages_not_in_ram(offloaded, monkeypatch, resident):
+    from bigmodel import _prefetch
+
+    model, expected = offloaded
+    touched: list[int] = []
+    monkeypatch.setattr(_prefetch, "pages_resident", lambda tensor: resident)
+    monkeypatch.setattr(_prefetch, "touch_pages", lambda tensor: touched.append(tensor.numel()))
+    prefetcher = enable_prefetch(model, depth=1, min_bytes=0)
+    assert prefetcher.in_place
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(X), expected)
+    _prefetch._executor().submit(lambda: None).result()  # let the last read ahead finish
+    assert (touched == []) is resident  # nothing to read when every page is in RAM
+
+
+def test_cpu_take_does_not_wait_for_an_unfinished_read_ahead():
+    from concurrent.futures import Future
+
+    class Hook:
+        weights_map = {"w": torch.ones(2)}
+        offloaded_names = ["w"]
+        offloaded_bytes = 8
+        device = torch.device("cpu")
+
+    hook = Hook()
+    prefetcher = Prefetcher(depth=1, min_bytes=0)
+    prefetcher._pending[id(hook)] = Future()  # never completes
+    assert torch.equal(prefetcher.take(hook)["w"], torch.ones(2))
+    assert prefetcher.pending == 0

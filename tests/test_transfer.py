@@ -1,4 +1,5 @@
-"""CPU tests of bigmodel._transfer: pinning policy, staging ring, copy semantics and stream ordering.
+"""CPU tests of bigmodel._pinned and bigmodel._transfer: pinning policy, staging ring, copy semantics
+and stream ordering.
 
 The stream path is exercised with fake streams/events (monkeypatched backend functions) that record
 the calls, so the ordering logic (event after copies, consumer waits on the event, record_stream on
@@ -12,17 +13,9 @@ import threading
 import pytest
 import torch
 
-from bigmodel import _devices, _transfer
-from bigmodel._transfer import (
-    PINNED_ARENA_BYTES,
-    CopyStream,
-    DeviceStager,
-    PendingCopy,
-    StagingBuffer,
-    _plan_arenas,
-    pin_memory_enabled,
-    pin_tensors,
-)
+from bigmodel import _devices, _pinned, _transfer
+from bigmodel._pinned import PINNED_ARENA_BYTES, StagingBuffer, _plan_arenas, pin_memory_enabled, pin_tensors
+from bigmodel._transfer import CopyStream, DeviceStager, PendingCopy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool]
 
@@ -41,6 +34,7 @@ def _sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
 @pytest.fixture
 def cpu_only(monkeypatch):
     """Behave as on a machine without an accelerator, also where one exists."""
+    monkeypatch.setattr(_pinned, "accelerator_type", lambda: None)
     monkeypatch.setattr(_transfer, "accelerator_type", lambda: None)
     monkeypatch.setattr(_devices, "accelerator_type", lambda: None)
 
@@ -58,7 +52,7 @@ def test_pin_tensors_is_identity_without_accelerator(cpu_only):
     [(None, True, True), ("0", True, False), ("off", True, False), ("1", False, False), ("yes", True, True)],
 )
 def test_pin_memory_enabled_follows_argument_env_and_accelerator(monkeypatch, env, enabled, expected):
-    monkeypatch.setattr(_transfer, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(_pinned, "accelerator_type", lambda: "cuda")
     if env is None:
         monkeypatch.delenv("BIGMODEL_PIN_MEMORY", raising=False)
     else:
@@ -68,7 +62,7 @@ def test_pin_memory_enabled_follows_argument_env_and_accelerator(monkeypatch, en
 
 def test_pin_memory_enabled_false_on_cpu_only_machine(monkeypatch):
     monkeypatch.delenv("BIGMODEL_PIN_MEMORY", raising=False)
-    monkeypatch.setattr(_transfer, "accelerator_type", lambda: None)
+    monkeypatch.setattr(_pinned, "accelerator_type", lambda: None)
     assert pin_memory_enabled(True) is False
 
 
@@ -80,9 +74,9 @@ def test_pin_memory_env_rejects_unknown_value(monkeypatch):
 
 def test_pin_tensors_packs_into_arenas_and_keeps_values_dtypes_and_ties(monkeypatch):
     """With pinning forced on (arenas allocated unpinned here), values, dtypes, shapes and ties survive."""
-    monkeypatch.setattr(_transfer, "pin_memory_enabled", lambda enabled=True: enabled)
+    monkeypatch.setattr(_pinned, "pin_memory_enabled", lambda enabled=True: enabled)
     allocated = []
-    monkeypatch.setattr(_transfer, "_pinned_arena", lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(_pinned, "_pinned_arena", lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
     tensors = {str(dtype): _sample(dtype) for dtype in DTYPES}
     tensors["tied"] = tensors[str(torch.float32)]
     tensors["strided"] = torch.arange(12.0).view(3, 4).t()
@@ -99,22 +93,22 @@ def test_pin_tensors_packs_into_arenas_and_keeps_values_dtypes_and_ties(monkeypa
 
 
 def test_pin_tensors_leaves_non_cpu_and_empty_tensors(monkeypatch):
-    monkeypatch.setattr(_transfer, "pin_memory_enabled", lambda enabled=True: True)
-    monkeypatch.setattr(_transfer, "_pinned_arena", lambda n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(_pinned, "pin_memory_enabled", lambda enabled=True: True)
+    monkeypatch.setattr(_pinned, "_pinned_arena", lambda n: torch.empty(n, dtype=torch.uint8))
     meta, empty = torch.empty(3, device="meta"), torch.empty(0)
     out = pin_tensors({"meta": meta, "empty": empty})
     assert out["meta"] is meta and out["empty"] is empty
 
 
 def test_pin_tensors_falls_back_when_pinning_fails(monkeypatch, caplog):
-    monkeypatch.setattr(_transfer, "pin_memory_enabled", lambda enabled=True: True)
+    monkeypatch.setattr(_pinned, "pin_memory_enabled", lambda enabled=True: True)
 
     def refuse(nbytes):
         raise RuntimeError("cudaHostAlloc failed")
 
-    monkeypatch.setattr(_transfer, "_pinned_arena", refuse)
+    monkeypatch.setattr(_pinned, "_pinned_arena", refuse)
     tensors = {"a": torch.ones(3)}
-    with caplog.at_level("WARNING", logger="bigmodel._transfer"):
+    with caplog.at_level("WARNING", logger="bigmodel._pinned"):
         out = pin_tensors(tensors)
     assert out["a"] is tensors["a"]
     assert "BIGMODEL_PIN_MEMORY=0" in caplog.text

@@ -18,13 +18,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._align import CpuOffload, UserCpuOffloadHook, attach_align_device_hook, attach_align_device_hook_on_blocks
+from ._align import (
+    CpuOffload,
+    UserCpuOffloadHook,
+    attach_align_device_hook,
+    attach_align_device_hook_on_blocks,
+    default_execution_device,
+)
 from ._align_hook import AlignDevicesHook, has_offloaded_params, offload_hook_of
 from ._devices import DeviceSpec, is_accelerator, normalize_device
 from ._hook_registry import TIED_PARAMS, add_hook_to_module, patch_attribute
+from ._moving import send_to_device
 from ._offload import OffloadedWeightsLoader, extract_submodules_state_dict, load_offload_index, offload_state_dict
+from ._pinned import pin_tensors
 from ._prefetch import enable_prefetch
-from ._tensors import find_tied_parameters, get_submodule_and_name, named_module_tensors, retie_parameters
+from ._tensors import find_tied_parameters, get_submodule_and_name, retie_parameters
+from ._transfer import CopyStream, DeviceStager
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +75,18 @@ def _guard_moves(model: nn.Module, tied: list[list[str]]) -> None:
         method = getattr(type(model), name, None)
         if callable(method):
             patch_attribute(model, name, _guarded_method(ref, name, method))
+
+
+def _runs_on_accelerator(device: DeviceSpec | None) -> bool:
+    """True when forwards run on an accelerator: CPU-held weights are then pinned once, and
+    offloaded values reach the device through :class:`~bigmodel._transfer.DeviceStager`
+    (side-stream copies; disk values through its pinned staging buffer)."""
+    return device is not None and device != "disk" and is_accelerator(device)
+
+
+def _enable_prefetch(model: nn.Module, device: DeviceSpec) -> None:
+    """Prefetch for ``model``'s offloading hooks, staging to the device when it is an accelerator."""
+    enable_prefetch(model, stage=DeviceStager() if _runs_on_accelerator(device) else None)
 
 
 def _main_device(device_map: Mapping[str, DeviceSpec]) -> DeviceSpec:
@@ -144,6 +165,11 @@ def dispatch_model(
         preload_module_classes: class names whose weights are all loaded at the start of their forward.
         force_hooks: attach hooks even when the map has a single device.
 
+    When the main device is an accelerator, the CPU part's values are pinned once
+    (:func:`~bigmodel._pinned.pin_tensors`; ``BIGMODEL_PIN_MEMORY=0`` opts out) and offloaded
+    modules are prefetched onto the device on a side stream, disk values through a bounded pinned
+    staging buffer (:class:`~bigmodel._transfer.DeviceStager`).  On the CPU nothing is copied.
+
     Returns:
         The model, with ``model.hf_device_map`` set.
 
@@ -164,9 +190,11 @@ def dispatch_model(
         raise ValueError("main_device='disk' is not a device a forward can run on; use an accelerator or 'cpu'.")
     cpu_modules = [name for name, d in device_map.items() if d == "cpu"]
     disk_modules = [name for name, d in device_map.items() if d == "disk"]
-    on_cpu = not is_accelerator(main)
+    on_cpu = not _runs_on_accelerator(main)
     if not on_cpu and state_dict is None and cpu_modules:
         state_dict = extract_submodules_state_dict(model.state_dict(), cpu_modules)
+    if not on_cpu and state_dict:
+        state_dict = pin_tensors(state_dict)  # once, for asynchronous copies (never the disk part)
     _disk_weights(model, disk_modules, offload_dir, offload_index, offload_buffers)
     offloaded_kinds = ("disk",) if on_cpu else ("cpu", "disk")
     execution_device = {name: main if d in ("cpu", "disk") else d for name, d in device_map.items()}
@@ -186,7 +214,7 @@ def dispatch_model(
     retie_parameters(model, tied)
     if any(offload.values()):
         logger.info("Modules offloaded to %s run on %s.", "/".join(sorted({d for d in map(str, device_map.values()) if d in offloaded_kinds})), main)
-        enable_prefetch(model)
+        _enable_prefetch(model, main)
     _guard_moves(model, tied)
     model.hf_device_map = dict(device_map)
     return model
@@ -205,7 +233,7 @@ def _attach_whole_model(model: nn.Module, execution_device: Any, weights_map: Ma
         model, execution_device=execution_device, offload=True, offload_buffers=offload_buffers,
         weights_map=weights_map, preload_module_classes=preload_module_classes,
     )  # fmt: skip
-    enable_prefetch(model)
+    _enable_prefetch(model, execution_device)
     _guard_moves(model, tied)
 
 
@@ -222,7 +250,8 @@ def cpu_offload(
         model: the model.
         execution_device: where forwards run (default: the device of the model's first parameter).
         offload_buffers: offload buffers too (else they live on ``execution_device``).
-        state_dict: the CPU values (default: the model's own, moved to CPU).
+        state_dict: the CPU values (default: the model's own, moved to CPU); pinned once when
+            ``execution_device`` is an accelerator, and prefetched onto it on a side stream.
         preload_module_classes: class names whose weights are all loaded at the start of their forward.
 
     Returns:
@@ -231,6 +260,8 @@ def cpu_offload(
     device = execution_device if execution_device is not None else _default_device(model)
     if state_dict is None:
         state_dict = {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
+    if _runs_on_accelerator(device):
+        state_dict = pin_tensors(state_dict)  # once, for asynchronous copies to the device
     _attach_whole_model(model, device, state_dict, offload_buffers, preload_module_classes)
     return model
 
@@ -249,7 +280,9 @@ def disk_offload(
     Args:
         model: the model.
         offload_dir: the offload folder.
-        execution_device: where forwards run (default: the device of the model's first parameter).
+        execution_device: where forwards run (default: the device of the model's first parameter);
+            on an accelerator, weights are read ahead through a pinned staging buffer and copied
+            on a side stream.
         offload_buffers: offload buffers too.
         preload_module_classes: class names whose weights are all loaded at the start of their forward.
 
@@ -273,16 +306,67 @@ def cpu_offload_with_hook(
 
     Args:
         model: the model (moved to the CPU now).
-        execution_device: where the forward runs (default: the first accelerator, else the CPU).
+        execution_device: where the forward runs (default: the first accelerator, else the CPU);
+            on an accelerator the CPU copy is pinned once (:class:`PinnedCpuOffload`).
         prev_module_hook: the hook of the model that runs before this one; it is offloaded when
             this model's forward starts.
 
     Returns:
         ``(model, hook)``; ``hook.offload()`` sends the model back to the CPU.
     """
-    hook = CpuOffload(execution_device=execution_device, prev_module_hook=prev_module_hook)
+    device = execution_device if execution_device is not None else default_execution_device()
+    hook_class = PinnedCpuOffload if _runs_on_accelerator(device) else CpuOffload
+    hook = hook_class(execution_device=device, prev_module_hook=prev_module_hook)
     add_hook_to_module(model, hook, append=True)
     return model, UserCpuOffloadHook(model, hook)
+
+
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return dict([*module.named_parameters(), *module.named_buffers()])
+
+
+class PinnedCpuOffload(CpuOffload):
+    """:class:`CpuOffload` towards an accelerator: the CPU copy of the model is pinned once and reused.
+
+    Offloading copies the device values back into the same pinned tensors (changes made on the
+    device are kept); the forward's move to the device is a side-stream copy from pinned memory
+    (:class:`~bigmodel._transfer.CopyStream`) that the device's current stream waits for.  The
+    pinned copy stays allocated while the model is on the device (``BIGMODEL_PIN_MEMORY=0``
+    turns pinning off; the CPU copy is then pageable but still kept).
+    """
+
+    def __init__(self, execution_device: Any = None, prev_module_hook: UserCpuOffloadHook | None = None) -> None:
+        super().__init__(execution_device, prev_module_hook)
+        self._host: dict[str, torch.Tensor] = {}
+        self._copies: CopyStream | None = None
+
+    def init_hook(self, module: nn.Module) -> nn.Module:  # also what UserCpuOffloadHook.offload() runs
+        tensors = _own_tensors(module)
+        if set(tensors) != set(self._host):  # first call, or the module gained/lost tensors
+            module.to("cpu")
+            tensors = _own_tensors(module)
+            self._host = pin_tensors({name: t.detach() for name, t in tensors.items()})
+            for name, tensor in tensors.items():
+                tensor.data = self._host[name]
+            return module
+        for name, tensor in tensors.items():
+            host = self._host[name]
+            if tensor.data_ptr() != host.data_ptr():
+                host.copy_(tensor.detach())  # device → pinned host (blocking): changes made on the device stay
+                tensor.data = host
+        return module
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        if self.prev_module_hook is not None:
+            self.prev_module_hook.offload()
+        if self._copies is None:
+            self._copies = CopyStream(self.execution_device)
+        device = self._copies.device
+        tensors = _own_tensors(module)
+        moved = self._copies.copy({n: t.detach() for n, t in tensors.items() if t.device != device}).wait()
+        for name, value in moved.items():
+            tensors[name].data = value
+        return send_to_device(args, device), send_to_device(kwargs, device)
 
 
 def load_checkpoint_and_dispatch(

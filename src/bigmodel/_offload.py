@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -126,13 +127,19 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
     return torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
+def _safetensors_path(info: Mapping[str, Any], folder: Path | None) -> str:
+    """The file an entry points into (a relative path is taken from ``folder``)."""
+    path = str(info["safetensors_file"])
+    if folder is not None and not Path(path).is_absolute():
+        path = str(folder / path)
+    return path
+
+
 def _read_safetensors_entry(
     info: Mapping[str, Any], key: str, cache: dict[str, SafetensorsFile], folder: Path | None = None
 ) -> torch.Tensor:
     """Read an entry pointing into a safetensors file (a relative path is taken from ``folder``)."""
-    path = str(info["safetensors_file"])
-    if folder is not None and not Path(path).is_absolute():
-        path = str(folder / path)
+    path = _safetensors_path(info, folder)
     handle = cache.get(path)
     if handle is None:
         if not Path(path).is_file():
@@ -278,6 +285,14 @@ class OffloadWriter:
 class OffloadedWeightsLoader(Mapping):
     """Read-only Mapping name → tensor over in-memory weights and an offload folder.
 
+    Each file of the folder (a ``.dat`` file, a safetensors file) is memory-mapped once, on
+    the first read of a tensor in it, and stays mapped while the loader lives: later reads
+    of that tensor return a new view of the same mapping (no system call, no page fault on
+    pages already touched).  The mappings are released when the loader is garbage collected
+    (it holds no reference back to any module, so this happens as soon as the dispatched
+    model that owns it is deleted).  A file replaced on disk after its first read is not seen.
+    Thread-safe: a background reader (the prefetcher) and the forward may read at once.
+
     Args:
         state_dict: tensors kept in memory (returned as they are).
         save_folder: an offload folder; its ``index.json`` is read when ``index`` is None.
@@ -308,20 +323,39 @@ class OffloadedWeightsLoader(Mapping):
         self.device = device
         self.all_keys = list(self.state_dict) + [k for k in self.index if k not in self.state_dict]
         self._files: dict[str, SafetensorsFile] = {}
+        self._mapped: dict[str, torch.Tensor] = {}  # name → zero-copy view of its mapped file
+        self._lock = threading.Lock()
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.state_dict:
             return self.state_dict[key]
-        if key not in self.index:
-            raise KeyError(key)
-        info = self.index[key]
-        if "safetensors_file" in info:
-            tensor = _read_safetensors_entry(info, key, self._files, self.save_folder)
+        tensor = self._mapped.get(key)
+        if tensor is None:
+            if key not in self.index:
+                raise KeyError(key)
+            tensor = self._map(key)
         else:
-            tensor = load_offloaded_weight(self.save_folder / f"{key}.dat", info)
+            tensor = tensor.detach()  # a new view: callers never change the cached tensor's metadata
         if self.device is not None:
             tensor = tensor.to(torch_device(self.device))
         return tensor
+
+    def _map(self, key: str) -> torch.Tensor:
+        """Read ``key`` from its file; keep it when it is a view of the file's mapping (no copy)."""
+        with self._lock:
+            cached = self._mapped.get(key)
+            if cached is not None:
+                return cached.detach()
+            info = self.index[key]
+            if "safetensors_file" in info:
+                tensor = _read_safetensors_entry(info, key, self._files, self.save_folder)
+                file_bytes = os.path.getsize(_safetensors_path(info, self.save_folder))
+                if tensor.numel() and tensor.untyped_storage().nbytes() != file_bytes:
+                    return tensor  # a cast or realigned copy: not kept (it is not file-backed memory)
+            else:
+                tensor = load_offloaded_weight(self.save_folder / f"{key}.dat", info)  # type: ignore[operator]
+            self._mapped[key] = tensor
+            return tensor.detach()
 
     def __contains__(self, key: object) -> bool:
         return key in self.state_dict or key in self.index

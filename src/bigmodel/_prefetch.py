@@ -12,11 +12,14 @@ Staging is one function, ``stage(values, device) -> values``:
 
 - CPU execution: the values (memory-mapped file views or RAM tensors) are used in place;
   staging touches one byte per page so that the page faults — the disk reads — happen on
-  the background thread, ahead of use.  Nothing is copied.
+  the background thread, ahead of use.  Nothing is copied.  A module whose pages are all in
+  RAM already (asked with ``mincore``, on the forward thread) is not handed to the thread at
+  all, and the forward never waits for a read ahead still running: a warm page cache costs
+  no thread hand-offs.
 - accelerator execution: by default a plain ``.to(device)`` on the background thread.
-  :mod:`bigmodel._transfer` provides pinned memory and side-stream copies; pass its
-  function as ``stage`` to :func:`enable_prefetch`.  ``stage`` may return a dict or an object
-  with ``wait() -> dict`` (called on the consuming thread before use).
+  :class:`bigmodel._transfer.DeviceStager` (pinned staging buffer, side-stream copies) is
+  the ``stage`` dispatch passes to :func:`enable_prefetch` for accelerators.  ``stage`` may
+  return a dict or an object with ``wait() -> dict`` (called on the consuming thread before use).
 
 Values are never changed by staging, so outputs are bit-identical with or without prefetch.
 Set ``BIGMODEL_PREFETCH_DEPTH=0`` to turn prefetching off (1 or 2 modules ahead otherwise).
@@ -24,6 +27,8 @@ Set ``BIGMODEL_PREFETCH_DEPTH=0`` to turn prefetching off (1 or 2 modules ahead 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import threading
@@ -70,6 +75,56 @@ def touch_pages(tensor: torch.Tensor) -> None:
     raw[::PAGE_BYTES].sum()
 
 
+def _load_mincore() -> Callable | None:
+    """libc's ``mincore(addr, length, vec)`` where the platform has it (Linux, macOS), else None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        mincore = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    mincore.restype = ctypes.c_int
+    return mincore
+
+
+_MINCORE = _load_mincore()
+_SYSTEM_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else PAGE_BYTES
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0 of a page's byte when it is resident
+_WINDOWS = 2  # pages_resident samples this many windows of a large tensor (first and last) ...
+_WINDOW_PAGES = 32  # ... of this many pages each
+
+
+def pages_resident(tensor: torch.Tensor) -> bool:
+    """True if the memory pages under a CPU tensor are in RAM (so reading it ahead gains nothing).
+
+    Asks the kernel (``mincore``) without touching the pages.  The kernel's cost grows with the
+    pages asked about (about 3 µs per MB), so a large tensor is sampled: ``_WINDOWS`` windows
+    of ``_WINDOW_PAGES`` pages (its first and last), one ``mincore`` call each (about 5 µs).
+    A partly evicted tensor may then pass as resident and fault its missing pages on the
+    forward thread (correct, only slower).  False when unknown (no ``mincore``, a
+    non-contiguous or non-CPU tensor): the caller reads ahead anyway.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return False
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return True
+    if _MINCORE is None:
+        return False
+    start = tensor.data_ptr() & ~(_SYSTEM_PAGE - 1)
+    pages = -(-(tensor.data_ptr() + nbytes - start) // _SYSTEM_PAGE)
+    if pages <= _WINDOWS * _WINDOW_PAGES:
+        windows = [(start, pages)]
+    else:
+        step = (pages - _WINDOW_PAGES) // (_WINDOWS - 1)
+        windows = [(start + i * step * _SYSTEM_PAGE, _WINDOW_PAGES) for i in range(_WINDOWS)]
+    vec = ctypes.create_string_buffer(max(count for _, count in windows))
+    for address, count in windows:
+        if _MINCORE(address, count * _SYSTEM_PAGE, vec) != 0 or b"\x00" in vec.raw[:count].translate(_LOW_BIT):
+            return False
+    return True
+
+
 def stage(values: dict[str, torch.Tensor], device: torch.device | None) -> dict[str, torch.Tensor]:
     """Default staging: fault CPU pages in (no copy), or copy to an accelerator.
 
@@ -90,6 +145,11 @@ def stage(values: dict[str, torch.Tensor], device: torch.device | None) -> dict[
 class Prefetcher:
     """Reads the weights of the next offloaded modules ahead, in the order learned from the first forward.
 
+    With the default staging function, a CPU-executed module costs nothing when its pages are
+    already in RAM (checked with ``mincore`` on the forward thread, no thread hand-off), and the
+    forward never waits for a read ahead that is still running (the values are the same views
+    either way; the page faults then happen on whichever thread touches a page first).
+
     Args:
         depth: how many modules ahead to stage (1 or 2).
         stage: the staging function (see the module docstring).
@@ -100,8 +160,10 @@ class Prefetcher:
         self.depth = depth
         self.stage = stage
         self.min_bytes = min_bytes
+        self.in_place = stage is globals()["stage"]  # CPU values are used as they are: staging only faults pages
         self.recording = True
         self._order: list[weakref.ref] = []
+        self._bytes: list[int] = []  # offloaded bytes of each hook in the order (read once, while recording)
         self._position: dict[int, int] = {}
         self._pending: dict[int, Future] = {}
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
@@ -124,7 +186,7 @@ class Prefetcher:
     def take(self, hook: Any) -> Mapping[str, torch.Tensor]:
         """The hook's values: the staged ones if a prefetch was started, else read now."""
         future = self._pending.pop(id(hook), None)
-        if future is not None:
+        if future is not None and not (self.in_place and not future.done() and _on_cpu(hook.device)):
             result = future.result()
             if result is not None:
                 return result.wait() if hasattr(result, "wait") else result
@@ -137,20 +199,30 @@ class Prefetcher:
             if key not in self._position:
                 self._position[key] = len(self._order)
                 self._order.append(weakref.ref(hook))
+                self._bytes.append(hook.offloaded_bytes)
                 return
             self.recording = False
         index = self._position.get(key)
         if index is None or self.depth <= 0:
             return
         count = len(self._order)
-        wanted = [self._order[(index + step) % count] for step in range(1, min(self.depth, count - 1) + 1)]
-        wanted_keys = {id(ref()) for ref in wanted if ref() is not None}
-        for stale in [k for k in self._pending if k not in wanted_keys]:
-            self._pending.pop(stale).cancel()
-        for ref in wanted:
-            target = ref()
-            if target is not None and id(target) not in self._pending and target.offloaded_bytes >= self.min_bytes:
-                self._pending[id(target)] = _executor().submit(self._fetch, ref)
+        ahead = [(index + step) % count for step in range(1, min(self.depth, count - 1) + 1)]
+        if self._pending:
+            ahead_keys = {id(self._order[j]()) for j in ahead}
+            for stale in [k for k in self._pending if k not in ahead_keys]:
+                self._pending.pop(stale).cancel()
+        for j in ahead:
+            target = self._order[j]() if self._bytes[j] >= self.min_bytes else None
+            if target is None or id(target) in self._pending:
+                continue
+            if self.in_place and _on_cpu(target.device):
+                values = self.read(target)
+                if all(pages_resident(value) for value in values.values()):
+                    self._pending[id(target)] = _ready(values)  # in RAM: no thread hand-off, nothing to touch
+                else:
+                    self._pending[id(target)] = _executor().submit(self.stage, values, target.device)
+            else:
+                self._pending[id(target)] = _executor().submit(self._fetch, self._order[j])
 
     def _fetch(self, ref: weakref.ref) -> Any:
         hook = ref()
@@ -163,6 +235,16 @@ class Prefetcher:
         for future in self._pending.values():
             future.cancel()
         self._pending.clear()
+
+
+def _ready(values: dict[str, torch.Tensor]) -> Future:
+    future: Future = Future()
+    future.set_result(values)
+    return future
+
+
+def _on_cpu(device: torch.device | None) -> bool:
+    return device is None or device.type == "cpu"
 
 
 def _configured_depth(depth: int | None) -> int:

@@ -120,7 +120,7 @@ def _offload_folder(stack: contextlib.ExitStack, given: str | None, usage: list[
     on_disk = next((u.nbytes for u in usage if u.device == "disk"), 0)
     if given is not None or not on_disk:
         return given
-    if not any(u.layers for u in usage if u.device != "disk"):
+    if not any(u.nbytes for u in usage if u.device != "disk"):
         raise ValueError(
             "The memory budgets are too small for even one layer outside disk and no --offload-folder was given; "
             "raise --max-memory (e.g. cpu=SIZE) or pass --offload-folder DIR to run every layer from disk."
