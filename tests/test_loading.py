@@ -65,9 +65,10 @@ def _save(folder, sd, fmt):
     return folder / f"model.{ext}.index.json"
 
 
-def _meta_net():
+def _meta_net(dtype=None):
     with init_empty_weights():
-        return Net()
+        net = Net()
+    return net.to(dtype) if dtype is not None else net  # floating tensors only, on meta
 
 
 def _bits(t):
@@ -83,7 +84,7 @@ def _all_meta(model):
 def test_round_trip_mixed_cpu_and_disk(tmp_path, fmt, dtype):
     sd = _state(dtype)
     ckpt = _save(tmp_path / "ckpt", sd, fmt)
-    model = _meta_net()
+    model = _meta_net(dtype)  # built in the checkpoint's dtype, as from_config(torch_dtype=...) does
     load_checkpoint_in_model(model, ckpt, device_map=MIXED_MAP, offload_folder=tmp_path / "off")
     assert model.head.weight is model.embed.weight  # still tied
     loader = OffloadedWeightsLoader(save_folder=tmp_path / "off")
@@ -313,7 +314,7 @@ def test_tiny_llama_round_trip(tmp_path, fmt):
         (tmp_path / "ckpt").mkdir()
         torch.save(ref.state_dict(), tmp_path / "ckpt" / "pytorch_model.bin")  # both tied names, one storage
     with init_empty_weights():
-        model = transformers.LlamaForCausalLM(config)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     device_map = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
                   "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
     load_checkpoint_in_model(model, tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "off", strict=True)
@@ -349,3 +350,17 @@ def test_progress_is_quiet_when_disabled_or_not_a_tty(monkeypatch, capsys):
         bar.update(60)
         bar.update(40)
     assert bar.done == 100 and capsys.readouterr().err == ""
+
+
+def test_memory_tensors_take_the_model_dtype_disk_keeps_the_checkpoint(tmp_path):
+    """As with set_module_tensor_to_device: a float16 checkpoint in a float32 model loads as float32
+    in memory; disk entries keep float16 and point into the safetensors file (cast at forward time)."""
+    sd = _state(torch.float16)
+    ckpt = _save(tmp_path / "ckpt", sd, "safetensors")
+    model = _meta_net()
+    load_checkpoint_in_model(model, ckpt, device_map=MIXED_MAP, offload_folder=tmp_path / "off")
+    assert model.embed.weight.dtype == torch.float32
+    assert torch.equal(model.embed.weight, sd["embed.weight"].float())
+    loader = OffloadedWeightsLoader(save_folder=tmp_path / "off")
+    assert loader["blocks.0.linear.weight"].dtype == torch.float16
+    assert all("safetensors_file" in e for e in loader.index.values())

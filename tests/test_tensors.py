@@ -127,3 +127,15 @@ def test_get_module_size_with_ties():
     total, names, _ = get_module_size_with_ties(["2.weight"], 160, sizes, modules)
     assert (total, names) == (160, ["2"])
     assert get_module_size_with_ties([], 5, sizes, modules) == (5, [], [])
+
+
+def test_tied_params_map_reuses_the_copy_in_the_right_slot():
+    module = nn.Module()
+    module.register_buffer("b", torch.zeros(2))
+    source = torch.ones(2)
+    cached = torch.full((2,), 7.0)
+    tied = {source.data_ptr(): {torch.device("cpu"): cached}}
+    set_module_tensor_to_device(module, "b", "cpu", value=source, tied_params_map=tied)
+    assert module._buffers["b"] is cached and "b" not in module._parameters
+    with pytest.raises(ValueError, match=r"'b' has shape \(3,\)"):
+        set_module_tensor_to_device(module, "b", "cpu", value=torch.ones(3), tied_params_map=tied)

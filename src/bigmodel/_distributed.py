@@ -447,7 +447,7 @@ def _target_dtype(name: str, value: torch.Tensor, old: torch.Tensor | None, opti
         old,
         dtype=options.dtype,
         keep_in_fp32=options.keep_in_fp32,
-        use_model_dtype=not options.device_map,
+        use_model_dtype=True,
     )
 
 

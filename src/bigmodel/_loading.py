@@ -26,7 +26,7 @@ from torch import nn
 
 from ._checkpoint import TensorInfo, iter_checkpoint_tensors, read_tensor_infos, resolve_checkpoint_files
 from ._devices import DeviceSpec, normalize_device, torch_device
-from ._offload import OffloadWriter, load_offloaded_weight
+from ._offload import OffloadWriter, dat_path, load_offloaded_weight
 from ._progress import ByteProgress
 from ._sizes import to_dtype
 from ._tensors import device_of, find_tied_parameters, loaded_dtype, retie_parameters, set_module_tensor_to_device
@@ -168,7 +168,7 @@ def _make_plan(
         if source is None:
             continue
         device = _device_for(name, tensor, device_map, buffers, offload_buffers)
-        plan.targets[name] = _Target(device, _dtype_for(name, tensor, source, device_map, dtype, keep_in_fp32))
+        plan.targets[name] = _Target(device, _dtype_for(name, tensor, source, device, dtype, keep_in_fp32))
     return plan
 
 
@@ -227,13 +227,18 @@ def _dtype_for(
     name: str,
     tensor: torch.Tensor,
     source: TensorInfo,
-    device_map: Mapping[str, DeviceSpec] | None,
+    device: object,
     dtype: torch.dtype | None,
     keep_in_fp32: Sequence[str],
 ) -> torch.dtype:
-    """The dtype a tensor is stored in (see :func:`bigmodel._tensors.loaded_dtype`)."""
+    """The dtype a tensor is stored in (see :func:`bigmodel._tensors.loaded_dtype`).
+
+    Tensors placed in memory take the model's floating dtype, as ``set_module_tensor_to_device``
+    does; tensors mapped to disk keep the checkpoint's (so a safetensors file is used in place),
+    and the offload hook casts them to the model's dtype when it loads them for a forward.
+    """
     return loaded_dtype(
-        name, source.dtype, tensor, dtype=dtype, keep_in_fp32=keep_in_fp32, use_model_dtype=device_map is None
+        name, source.dtype, tensor, dtype=dtype, keep_in_fp32=keep_in_fp32, use_model_dtype=device != "disk"
     )
 
 
@@ -303,7 +308,7 @@ def _to_folder(
 def _bring_back(model: nn.Module, spill: OffloadWriter) -> None:
     """Map the spilled CPU tensors back into the model (zero-copy views of the spill files)."""
     for name, info in spill.index.items():
-        value = load_offloaded_weight(spill.folder / f"{name}.dat", info)
+        value = load_offloaded_weight(dat_path(spill.folder, name), info)
         set_module_tensor_to_device(model, name, "cpu", value=value, dtype=value.dtype, clear_cache=False)
 
 

@@ -122,11 +122,6 @@ def set_module_tensor_to_device(
     source = value if value is not None else old
     if source is None:
         return
-    if tied_params_map is not None and source.device.type != "meta":
-        cached = tied_params_map.get(source.data_ptr(), {}).get(target)
-        if cached is not None:
-            submodule._parameters[name] = cached  # type: ignore[assignment]
-            return
     if value is None and old is not None and old.device.type == "meta" and target.type != "meta":
         raise ValueError(
             f"{tensor_name} is on the meta device and has no data; pass `value=` to place it on {target}."
@@ -136,6 +131,12 @@ def set_module_tensor_to_device(
             f"Value for {tensor_name!r} has shape {tuple(value.shape)} but the model expects "
             f"{tuple(old.shape)}; the checkpoint does not match the model (check its config and path)."
         )
+    if tied_params_map is not None and source.device.type != "meta":
+        cached = tied_params_map.get(source.data_ptr(), {}).get(target)
+        if cached is not None:
+            slots = submodule._buffers if name in submodule._buffers else submodule._parameters
+            slots[name] = cached  # type: ignore[assignment]
+            return
     new = _cast(source, old, dtype, non_blocking).to(target, non_blocking=non_blocking)
     if name in submodule._buffers:
         submodule._buffers[name] = new
@@ -153,8 +154,10 @@ def set_module_tensor_to_device(
         empty_cache(target)
 
 
-def find_tied_parameters(model: nn.Module) -> list[list[str]]:
+def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:
     """Groups of parameter names that share one Parameter object (tied weights).
+
+    Extra keyword arguments (accepted by older callers of this API) are ignored.
 
     Returns:
         A list of groups, each a sorted list of ≥ 2 dotted names, e.g.
@@ -262,8 +265,8 @@ def loaded_dtype(
     """The dtype a checkpoint tensor is stored in once loaded (the rule of ``load_checkpoint_in_model``).
 
     Non-floating tensors keep the checkpoint's dtype; tensors under ``keep_in_fp32`` modules
-    become float32; else ``dtype`` if given; else, with ``use_model_dtype`` (no device map),
-    the model tensor's floating dtype; else the checkpoint's dtype.
+    become float32; else ``dtype`` if given; else, with ``use_model_dtype`` (tensors placed in
+    memory), the model tensor's floating dtype; else the checkpoint's dtype.
     """
     if not source_dtype.is_floating_point:
         return source_dtype
