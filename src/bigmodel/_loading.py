@@ -74,8 +74,11 @@ def load_checkpoint_in_model(
         checkpoint: a weights file, a sharded checkpoint's ``*.index.json``, or a folder
             holding one of them.
         device_map: module/tensor name → device (``"disk"`` → ``offload_folder``).  Without a
-            map, each tensor goes to the device of the model's tensor (CPU for ``meta``) and
-            takes the model's dtype; with a map, the checkpoint's dtype is kept.
+            map, each tensor goes to the device of the model's tensor (CPU for ``meta``).
+            Tensors placed in memory take the model's floating dtype (or ``dtype``); tensors
+            mapped to disk keep the checkpoint's, cast when the offload hook loads them.
+            CPU tensors in the checkpoint's dtype are memory-mapped views of its files (no
+            copy): do not overwrite those files while the model is alive.
         offload_folder: where ``"disk"`` tensors go (``index.json`` + ``.dat`` files, or
             pointers into the safetensors checkpoint when the dtype is unchanged).
         dtype: dtype for floating tensors (int/bool keep theirs).
