@@ -359,16 +359,32 @@ def test_disk_full_mid_offload_keeps_previous_index_and_checkpoint(tmp_path, che
     assert torch.equal(loader["a.weight"], _state()["a.weight"].half())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_offload.OffloadWriter.commit renames the new .dat files over the old ones before writing "
-    "index.json: a failure writing the index leaves the previous index reading bf16 bytes as fp16",
-)
 def test_disk_full_while_writing_index_keeps_previous_offload_readable(tmp_path, checkpoint, monkeypatch):
     folder = tmp_path / "off"
     _offload_then_fail(checkpoint, folder, monkeypatch, _fail_on_index)
     loader = OffloadedWeightsLoader(save_folder=folder)
     assert torch.equal(loader["a.weight"], _state()["a.weight"].half())
+
+
+def test_failure_writing_the_merged_index_never_leaves_an_entry_reading_other_bytes(tmp_path, monkeypatch):
+    folder = tmp_path / "off"
+    offload_state_dict(folder, {"kept": torch.ones(2), "replaced": torch.ones(3, dtype=torch.float16)})
+    atomic_write, index_writes = offload_module._atomic_write, []
+
+    def second_index_write_fails(path, write):
+        if path.name == "index.json":
+            index_writes.append(1)
+            if len(index_writes) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return atomic_write(path, write)
+
+    monkeypatch.setattr(offload_module, "_atomic_write", second_index_write_fails)
+    with pytest.raises(OSError, match="No space left"):
+        offload_state_dict(folder, {"replaced": torch.full((3,), 2.0, dtype=torch.bfloat16)})
+    monkeypatch.undo()
+    loader = OffloadedWeightsLoader(save_folder=folder)
+    assert sorted(loader) == ["kept"]  # the replaced entry is gone from the index, not describing bf16 bytes as fp16
+    assert torch.equal(loader["kept"], torch.ones(2))
 
 
 @pytest.mark.parametrize("name", ["ünïcode.wéight", "a.b.c", "x-y+z weight", "..."])
@@ -379,9 +395,6 @@ def test_offload_names_with_odd_characters_round_trip(tmp_path, name):
     assert torch.equal(OffloadedWeightsLoader(save_folder=tmp_path)[name], value)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="_offload.offload_weight writes <folder>/<name>.dat unchecked: '../evil' escapes the folder"
-)
 def test_offload_weight_name_cannot_escape_the_folder(tmp_path):
     folder = tmp_path / "off"
     with pytest.raises(ValueError, match=r"\.\./evil"):
@@ -389,9 +402,6 @@ def test_offload_weight_name_cannot_escape_the_folder(tmp_path):
     assert not (tmp_path / "evil.dat").exists()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="_offload.OffloadWriter.commit joins folder / f'{name}.dat': an absolute name escapes"
-)
 def test_offload_state_dict_absolute_name_cannot_escape_the_folder(tmp_path):
     folder = tmp_path / "off"
     target = tmp_path / "evil"
@@ -409,27 +419,43 @@ class Slashed(nn.Module):
         self.add_module("x/y", nn.Linear(2, 2))  # torch accepts '/' in module names
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_offload.OffloadWriter stages '<folder>/.x/y.weight.*.tmp': a raw FileNotFoundError instead of "
-    "working or a ValueError naming the tensor",
-)
 def test_module_name_with_slash_offloaded_to_disk(tmp_path):
     torch.manual_seed(0)
     state = {k: v.clone() for k, v in Slashed().state_dict().items()}
     save_file(state, tmp_path / "m.safetensors")
     with init_empty_weights():
         model = Slashed()
-    try:
-        load_checkpoint_in_model(
-            model, tmp_path / "m.safetensors", device_map={"": "disk"}, offload_folder=tmp_path / "off",
-            dtype=torch.float16,
-        )  # fmt: skip
-    except ValueError as err:
-        assert "x/y" in str(err)
-        return
+    load_checkpoint_in_model(
+        model, tmp_path / "m.safetensors", device_map={"": "disk"}, offload_folder=tmp_path / "off",
+        dtype=torch.float16,
+    )  # fmt: skip
+    assert (tmp_path / "off" / "x" / "y.weight.dat").is_file()  # <name>.dat, as the format says
     loader = OffloadedWeightsLoader(save_folder=tmp_path / "off")
     assert torch.equal(loader["x/y.weight"], state["x/y.weight"].half())
+    assert sorted(p.name for p in (tmp_path / "off").iterdir()) == ["index.json", "x"]  # nothing staged left
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/../b", "a//b", "a/./b", "/abs", "a/"])
+def test_unsafe_names_are_refused_everywhere(tmp_path, name):
+    with pytest.raises(ValueError, match="cannot name a file inside the offload folder"):
+        offload_weight(torch.ones(1), name, tmp_path / "off")
+    with pytest.raises(ValueError, match="cannot name a file inside the offload folder"):
+        offload_state_dict(tmp_path / "off2", {"ok": torch.ones(1), name: torch.ones(1)})
+    assert list((tmp_path / "off2").iterdir()) == []  # the staged 'ok' was removed too
+    (tmp_path / "idx").mkdir()
+    (tmp_path / "idx" / "index.json").write_text(json.dumps({name: {"dtype": "float32", "shape": [1]}}))
+    with pytest.raises(ValueError, match="cannot name a file inside the offload folder"):
+        OffloadedWeightsLoader(save_folder=tmp_path / "idx")[name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx", "off2"]
+
+
+def test_symlinked_subfolder_cannot_redirect_a_write(tmp_path):
+    (tmp_path / "off").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "off" / "x")
+    with pytest.raises(ValueError, match="resolves outside the offload folder"):
+        offload_state_dict(tmp_path / "off", {"x/y": torch.ones(1)})
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 # ------------------------------------------------------------------ planning
@@ -585,11 +611,6 @@ def test_exception_in_layerwise_cast_forward_restores_storage_dtype():
     assert layer.weight.dtype == torch.float8_e4m3fn
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_dispatch.cpu_offload copies model.state_dict() of an already offloaded model (meta tensors): "
-    "NotImplementedError 'Cannot copy out of meta tensor'",
-)
 def test_cpu_offload_twice():
     torch.manual_seed(0)
     model = BoomNet()
@@ -600,23 +621,20 @@ def test_cpu_offload_twice():
     assert torch.equal(model(x), expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_dispatch.dispatch_model on an already dispatched model with disk parts says 'load the checkpoint "
-    "first' instead of working or naming the existing hooks",
-)
 def test_dispatch_twice_with_disk(tmp_path):
     torch.manual_seed(0)
     model = BoomNet()
     x = torch.randn(2, 3)
     expected = model(x)
     dispatch_model(model, {"a": "cpu", "b": "disk"}, offload_dir=tmp_path / "one")
-    try:
-        dispatch_model(model, {"a": "cpu", "b": "disk"}, offload_dir=tmp_path / "two")
-    except ValueError as err:
-        assert "already" in str(err) or "remove_hook_from_submodules" in str(err)
-        return
+    dispatch_model(model, {"a": "cpu", "b": "disk"}, offload_dir=tmp_path / "two")
+    assert sorted(json.loads((tmp_path / "two" / "index.json").read_text())) == ["b.bias", "b.weight"]
+    assert len(offload_module.OffloadedWeightsLoader(save_folder=tmp_path / "two")) == 2
+    assert model.b.weight.device.type == "meta"
+    assert type(model.b._hf_hook).__name__ == "AlignDevicesHook"
     assert torch.equal(model(x), expected)
+    remove_hook_from_submodules(model)
+    assert model.b.weight.device.type == "cpu" and torch.equal(model(x), expected)
 
 
 def test_failed_redispatch_leaves_a_working_model_and_hooks_remove_twice(tmp_path):
@@ -625,8 +643,9 @@ def test_failed_redispatch_leaves_a_working_model_and_hooks_remove_twice(tmp_pat
     x = torch.randn(2, 3)
     expected = model(x)
     dispatch_model(model, {"a": "cpu", "b": "disk"}, offload_dir=tmp_path / "one")
-    with pytest.raises(ValueError):
-        dispatch_model(model, {"a": "cpu", "b": "disk"}, offload_dir=tmp_path / "two")
+    with pytest.raises(ValueError, match=r"on 'disk' but no offload_dir was given"):
+        dispatch_model(model, {"a": "cpu", "b": "disk"})  # refused before the old hooks are removed
+    assert model.b.weight.device.type == "meta"  # still dispatched as before
     assert torch.equal(model(x), expected)
     remove_hook_from_submodules(model)
     remove_hook_from_submodules(model)
@@ -727,24 +746,35 @@ def test_offload_file_deleted_between_forwards_names_it_and_unloads(tmp_path):
     assert model[0].weight.device.type == model[1].weight.device.type == "meta"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_dispatch.disk_offload trusts any existing index.json: a stale index lacking the model's keys "
-    "discards the real weights and the forward fails later with FileNotFoundError",
-)
 def test_disk_offload_into_folder_with_stale_index(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     x = torch.ones(1, 3)
     expected = model(x)
     (tmp_path / "index.json").write_text(json.dumps({"0.weight": {"dtype": "float32", "shape": [3, 3]}}))
-    try:
-        disk_offload(model, tmp_path, execution_device="cpu")
-    except ValueError as err:
-        assert "0.bias" in str(err)
-        assert model[0].bias.device.type == "cpu"  # refused before touching the model
-        return
+    disk_offload(model, tmp_path, execution_device="cpu")  # the stale entry (no .dat file) is rewritten
+    assert (tmp_path / "0.weight.dat").is_file() and (tmp_path / "1.bias.dat").is_file()
     assert torch.equal(model(x), expected)
+
+
+def test_disk_offload_index_with_other_shapes_is_rewritten(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    x = torch.ones(1, 3)
+    expected = model(x)
+    offload_state_dict(tmp_path, {"0.weight": torch.zeros(2, 2), "0.bias": torch.zeros(3, dtype=torch.float16)})
+    disk_offload(model, tmp_path, execution_device="cpu")
+    assert json.loads((tmp_path / "index.json").read_text())["0.weight"]["shape"] == [3, 3]
+    assert torch.equal(model(x), expected)
+
+
+def test_disk_offload_of_meta_model_with_incomplete_index_is_refused_untouched(tmp_path):
+    with init_empty_weights():
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    offload_state_dict(tmp_path, {"0.weight": torch.zeros(3, 3), "0.bias": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"1\.weight \(not in the index\).*load the checkpoint first"):
+        disk_offload(model, tmp_path, execution_device="cpu")
+    assert not hasattr(model[0], "_hf_hook")
 
 
 # ------------------------------------------------------------------ empty-weight contexts

@@ -287,7 +287,7 @@ def test_del_releases_the_offload_file_mappings_without_gc(reference, tmp_path):
 @pytest.fixture
 def transfer_calls(monkeypatch):
     """Record the accelerator transfer layer's use by dispatch: pinning and the device stager."""
-    from bigmodel import _dispatch
+    from bigmodel import _align, _dispatch, _offload_entry, _redispatch
 
     calls: dict = {"pinned": [], "staged": 0}
     real_pin = _dispatch.pin_tensors
@@ -296,21 +296,23 @@ def transfer_calls(monkeypatch):
         calls["pinned"].append(sorted(tensors))
         return real_pin(tensors, enabled)
 
-    class Stager(_dispatch.DeviceStager):
+    class Stager(_redispatch.DeviceStager):
         def __call__(self, values, device):
             calls["staged"] += 1
             return super().__call__(values, device)
 
-    monkeypatch.setattr(_dispatch, "pin_tensors", pin)
-    monkeypatch.setattr(_dispatch, "DeviceStager", Stager)
+    for module in (_dispatch, _offload_entry, _align):  # every module that pins (PinnedCpuOffload is in _align)
+        monkeypatch.setattr(module, "pin_tensors", pin)
+    monkeypatch.setattr(_redispatch, "DeviceStager", Stager)
     return calls
 
 
 def _as_accelerator(monkeypatch) -> None:
     """Make dispatch treat the CPU execution device as an accelerator (the transfer layer is the identity on CPU)."""
-    from bigmodel import _dispatch
+    from bigmodel import _dispatch, _offload_entry, _redispatch
 
-    monkeypatch.setattr(_dispatch, "_runs_on_accelerator", lambda device: device is not None and device != "disk")
+    for module in (_dispatch, _offload_entry, _redispatch):
+        monkeypatch.setattr(module, "_runs_on_accelerator", lambda device: device is not None and device != "disk")
 
 
 def test_cpu_execution_never_pins_or_stages(reference, tmp_path, transfer_calls):
@@ -366,7 +368,7 @@ def test_whole_model_offload_to_accelerator_pins_and_stages(kind, reference, tmp
 
 
 def test_cpu_offload_with_hook_to_accelerator_pins_once(reference, transfer_calls, monkeypatch):
-    from bigmodel._dispatch import PinnedCpuOffload
+    from bigmodel._align import PinnedCpuOffload
 
     _as_accelerator(monkeypatch)
     state, expected = reference

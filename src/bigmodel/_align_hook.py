@@ -29,7 +29,12 @@ from torch.utils._pytree import tree_map
 from ._devices import torch_device
 from ._hook_registry import ModelHook, iter_hooks
 from ._moving import find_device, send_to_device
-from ._tensors import get_non_persistent_buffers, get_submodule_and_name, named_module_tensors, set_module_tensor_to_device
+from ._tensors import (
+    get_non_persistent_buffers,
+    get_submodule_and_name,
+    named_module_tensors,
+    set_module_tensor_to_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,7 @@ _METADATA = frozenset(
     "__len__ __bool__ storage_offset untyped_storage _typed_storage __setstate__ __set__ __get__".split()
 )
 _WARNED: set[tuple[str, str]] = set()
+_HOOK_DEVICE: Any = object()  # load_value's default: the hook's own execution device
 
 
 def _func_name(func: Callable) -> str:
@@ -98,12 +104,17 @@ class _Slot:
     param_type: type
     requires_grad: bool
     extra: dict
+    dtype: torch.dtype | None = None  # the placeholder's dtype if floating (read without its __torch_function__)
+
+
+def _floating_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    return tensor.dtype if tensor.is_floating_point() else None
 
 
 def _make_slot(hook: AlignDevicesHook, name: str, tensor: torch.Tensor, is_parameter: bool) -> _Slot:
     meta = tensor.detach().to("meta")
     if not is_parameter:
-        return _Slot(meta, False, torch.Tensor, False, {})
+        return _Slot(meta, False, torch.Tensor, False, {}, _floating_dtype(meta))
     extra = {k: v for k, v in tensor.__dict__.items() if k not in ("requires_grad", "_bm_source")}
     param_type = type(tensor) if not isinstance(tensor, OffloadedParameter) else nn.Parameter
     if param_type is nn.Parameter:
@@ -111,7 +122,7 @@ def _make_slot(hook: AlignDevicesHook, name: str, tensor: torch.Tensor, is_param
         placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
     else:  # quantised parameter subclasses keep their own type on meta
         placeholder = param_type(meta, requires_grad=tensor.requires_grad, **extra)
-    return _Slot(placeholder, True, param_type, tensor.requires_grad, extra)
+    return _Slot(placeholder, True, param_type, tensor.requires_grad, extra, _floating_dtype(meta))
 
 
 def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -174,7 +185,12 @@ class AlignDevicesHook(ModelHook):
     @property
     def device(self) -> torch.device | None:
         """The execution device as a :class:`torch.device` (None when not set)."""
-        return None if self.execution_device is None else torch_device(self.execution_device)
+        spec = self.execution_device
+        cached = self.__dict__.get("_device_of")
+        if cached is None or cached[0] is not spec:  # execution_device may be reassigned (align_module_device)
+            cached = (spec, None if spec is None else torch_device(spec))
+            self.__dict__["_device_of"] = cached
+        return cached[1]
 
     @property
     def offloaded_names(self) -> list[str]:
@@ -228,17 +244,19 @@ class AlignDevicesHook(ModelHook):
         for name in names:
             set_module_tensor_to_device(module, name, self.execution_device, clear_cache=False)
 
-    def load_value(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """``value`` of tensor ``name`` as the module should hold it: on the execution device,
-        in the placeholder's floating dtype, wrapped as a Parameter if it was one.  No copy when
-        the value already has that device and dtype."""
+    def load_value(self, name: str, value: torch.Tensor, device: Any = _HOOK_DEVICE) -> torch.Tensor:
+        """``value`` of tensor ``name`` as the module should hold it: on the execution device
+        (``device``, when the caller already resolved :attr:`device`), in the placeholder's
+        floating dtype, wrapped as a Parameter if it was one.  No copy when the value already
+        has that device and dtype."""
         slot = self._slots[name]
-        device = self.device
+        if device is _HOOK_DEVICE:
+            device = self.device
         if device is not None and value.device != device:
             # Asynchronous only towards an accelerator: a device→host copy must be complete when used.
             value = value.to(device, non_blocking=device.type != "cpu")
-        if value.is_floating_point() and slot.placeholder.is_floating_point() and value.dtype != slot.placeholder.dtype:
-            value = value.to(slot.placeholder.dtype)
+        if slot.dtype is not None and value.dtype != slot.dtype and value.is_floating_point():
+            value = value.to(slot.dtype)
         if not slot.is_parameter:
             return value
         requires_grad = slot.requires_grad and value.is_floating_point()
@@ -254,22 +272,20 @@ class AlignDevicesHook(ModelHook):
             value = value.to(placeholder.dtype)
         return value
 
-    def _tied(self, value: torch.Tensor) -> tuple[dict | None, torch.device | None]:
-        if self.tied_params_map is None or value.device.type == "meta":
-            return None, None
-        per_device = self.tied_params_map.get(value.data_ptr())
-        return per_device, self.device
-
     def load_weights(self, module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) -> None:
         """Put the offloaded values into ``module`` (from ``values`` if given, else the weights map)."""
         source = self.weights_map if values is None else values
+        device = self.device
+        tied_map = self.tied_params_map
         for name in self._slots:
             value = source[name]
-            per_device, device = self._tied(value)
-            if per_device is not None and device in per_device:
-                _assign(module, name, per_device[device])
-                continue
-            loaded = self.load_value(name, value)
+            per_device = None
+            if tied_map and not value.is_meta:  # a tied value is put on a device once while it is in use
+                per_device = tied_map.get(value.data_ptr())
+                if per_device is not None and device in per_device:
+                    _assign(module, name, per_device[device])
+                    continue
+            loaded = self.load_value(name, value, device)
             if per_device is not None:
                 per_device[device] = loaded
                 self.tied_pointers_to_remove.add((value.data_ptr(), device))
@@ -292,8 +308,8 @@ class AlignDevicesHook(ModelHook):
             if self.prefetcher is not None:
                 self.prefetcher.schedule_after(self)
         return (
-            send_to_device(args, self.execution_device),
-            send_to_device(kwargs, self.execution_device, skip_keys=self.skip_keys),
+            send_to_device(args, self.device),
+            send_to_device(kwargs, self.device, skip_keys=self.skip_keys),
         )
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:

@@ -11,9 +11,12 @@ import torch
 from torch import nn
 
 
+_NO_SKIP: frozenset[str] = frozenset()
+
+
 def _skip_set(skip_keys: str | Iterable[str] | None) -> frozenset[str]:
     if skip_keys is None:
-        return frozenset()
+        return _NO_SKIP
     if isinstance(skip_keys, str):
         return frozenset((skip_keys,))
     return frozenset(skip_keys)
@@ -42,7 +45,7 @@ def send_to_device(
 
 def _move(obj: Any, device: Any, non_blocking: bool, skip: frozenset[str]) -> Any:
     if isinstance(obj, torch.Tensor):
-        if obj.device.type == "meta":
+        if obj.device == device or obj.device.type == "meta":  # already there: no .to() call
             return obj
         return obj.to(device, non_blocking=non_blocking)
     if isinstance(obj, (str, bytes, int, float, bool, type(None))):
@@ -50,8 +53,12 @@ def _move(obj: Any, device: Any, non_blocking: bool, skip: frozenset[str]) -> An
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_move(x, device, non_blocking, skip) for x in obj))
     if isinstance(obj, (tuple, list)):
+        if not obj:
+            return obj if isinstance(obj, tuple) else type(obj)()
         return type(obj)(_move(x, device, non_blocking, skip) for x in obj)
     if isinstance(obj, Mapping):
+        if not obj and type(obj) is dict:
+            return {}
         return _move_mapping(obj, device, non_blocking, skip)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {

@@ -1,15 +1,9 @@
-"""The offload folder: ``index.json`` + raw ``.dat`` files, and a read-only Mapping over it.
+"""The offload folder: writing ``index.json`` + raw ``.dat`` files, and a read-only Mapping over it.
 
-Format (shared with the ecosystem): ``index.json`` maps each tensor name to either
-
-- ``{"dtype": "bfloat16", "shape": [4096, 4096]}`` with the tensor's bytes in ``<name>.dat``
-  (raw, C order, no header; any dtype, bf16/fp8 included, round-trips bit-exactly), or
-- ``{"safetensors_file": path, "weight_name": key, "dtype": "float16"}`` (bigmodel also
-  writes ``"shape"``) pointing into an existing safetensors file, which is never rewritten.
-
-Reads are memory maps: a CPU tensor from the folder is a zero-copy view of its file.
-Writes are atomic: ``.dat`` files go through a temporary name, and ``index.json`` is
-replaced in one ``os.replace`` after everything else is on disk, merged with any existing index.
+The format and the reading of one tensor are in :mod:`bigmodel._offload_format` (re-exported
+here).  Writes are atomic: ``.dat`` files go through a temporary name; before they replace
+older files of the same names, those names are dropped from ``index.json``; the merged index
+is written last.
 """
 
 from __future__ import annotations
@@ -28,27 +22,34 @@ import torch
 
 from ._checkpoint import SafetensorsFile
 from ._devices import DeviceSpec, torch_device
+from ._offload_format import (
+    INDEX_NAME,
+    _read_safetensors_entry,
+    _safetensors_path,
+    dat_path,
+    dtype_name,
+    load_offload_index,
+    load_offloaded_weight,
+    parse_dtype,
+)
+
+__all__ = [
+    "INDEX_NAME",
+    "OffloadWriter",
+    "OffloadedWeightsLoader",
+    "PrefixedDataset",
+    "dat_path",
+    "dtype_name",
+    "extract_submodules_state_dict",
+    "load_offload_index",
+    "load_offloaded_weight",
+    "offload_state_dict",
+    "offload_weight",
+    "parse_dtype",
+    "save_offload_index",
+]
 
 logger = logging.getLogger(__name__)
-
-INDEX_NAME = "index.json"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` → ``"bfloat16"`` (the spelling used in ``index.json``)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str, where: str) -> torch.dtype:
-    """``"bfloat16"`` → ``torch.bfloat16``.
-
-    Raises:
-        ValueError: not a torch dtype name (names ``where`` the name was found).
-    """
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where}: {name!r} is not a torch dtype name (e.g. 'float16', 'bfloat16').")
-    return dtype
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -84,92 +85,24 @@ def offload_weight(
 
     Returns:
         ``index`` (or a new dict) with ``weight_name → {"dtype", "shape"}`` added.
+
+    Raises:
+        ValueError: ``weight_name`` would leave the folder (see :func:`dat_path`).
     """
     folder = Path(offload_folder)
+    dat_path(folder, weight_name)  # refuses names leaving the folder before anything is created
     folder.mkdir(parents=True, exist_ok=True)
+    path = dat_path(folder, weight_name, create=True)
     data = _raw_bytes(weight)
-    _atomic_write(folder / f"{weight_name}.dat", lambda f: f.write(memoryview(data)))
+    _atomic_write(path, lambda f: f.write(memoryview(data)))
     index = {} if index is None else index
     index[weight_name] = {"dtype": dtype_name(weight.dtype), "shape": list(weight.shape)}
     return index
 
 
-def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[str, Any]) -> torch.Tensor:
-    """Read one offloaded tensor as a zero-copy, memory-mapped CPU tensor.
-
-    Args:
-        weight_file: the ``.dat`` file (ignored for entries pointing into a safetensors file).
-        weight_info: its ``index.json`` entry (``{"dtype", "shape"}`` or ``{"safetensors_file", ...}``).
-
-    Returns:
-        The tensor on CPU (writable; writes are private to this process and never reach the file).
-
-    Raises:
-        ValueError: the entry is malformed or the file size does not match dtype × shape.
-        FileNotFoundError: the file is missing.
-    """
-    if "safetensors_file" in weight_info:
-        return _read_safetensors_entry(weight_info, Path(weight_file).stem, {})
-    path = Path(weight_file)
-    dtype = parse_dtype(weight_info.get("dtype", ""), f"offload entry for {str(path)!r}")
-    shape = tuple(int(d) for d in weight_info.get("shape", ()))
-    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-    if not path.is_file():
-        raise FileNotFoundError(f"Offloaded weight file {str(path)!r} is missing; offload the model again.")
-    size = path.stat().st_size
-    if size != nbytes:
-        raise ValueError(
-            f"Offloaded weight file {str(path)!r} holds {size} bytes but its index entry ({dtype_name(dtype)}, "
-            f"shape {list(shape)}) needs {nbytes}; the offload folder is stale or corrupted: offload again."
-        )
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-def _safetensors_path(info: Mapping[str, Any], folder: Path | None) -> str:
-    """The file an entry points into (a relative path is taken from ``folder``)."""
-    path = str(info["safetensors_file"])
-    if folder is not None and not Path(path).is_absolute():
-        path = str(folder / path)
-    return path
-
-
-def _read_safetensors_entry(
-    info: Mapping[str, Any], key: str, cache: dict[str, SafetensorsFile], folder: Path | None = None
-) -> torch.Tensor:
-    """Read an entry pointing into a safetensors file (a relative path is taken from ``folder``)."""
-    path = _safetensors_path(info, folder)
-    handle = cache.get(path)
-    if handle is None:
-        if not Path(path).is_file():
-            raise FileNotFoundError(
-                f"Offload entry {key!r} points to {path!r}, which is missing; load the checkpoint again."
-            )
-        handle = cache[path] = SafetensorsFile(path)
-    tensor = handle.tensor(info.get("weight_name", key))
-    if "dtype" in info:
-        dtype = parse_dtype(info["dtype"], f"offload entry {key!r}")
-        if tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
-    return tensor
-
-
-def load_offload_index(folder: str | os.PathLike) -> dict[str, dict]:
-    """The ``index.json`` of an offload folder (empty dict if there is none).
-
-    Raises:
-        ValueError: the index exists but is not valid JSON (names the file).
-    """
-    path = Path(folder) / INDEX_NAME
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except ValueError as err:
-        raise ValueError(
-            f"Offload index {str(path)!r} is corrupted ({err}); delete the offload folder and reload."
-        ) from err
+def _write_index(index: Mapping[str, dict], folder: Path) -> None:
+    text = json.dumps(index, indent=2, sort_keys=True).encode()
+    _atomic_write(folder / INDEX_NAME, lambda f: f.write(text))
 
 
 def save_offload_index(index: Mapping[str, dict], folder: str | os.PathLike) -> None:
@@ -177,8 +110,7 @@ def save_offload_index(index: Mapping[str, dict], folder: str | os.PathLike) -> 
     folder = Path(folder)
     merged = load_offload_index(folder)
     merged.update(index)
-    text = json.dumps(merged, indent=2, sort_keys=True).encode()
-    _atomic_write(folder / INDEX_NAME, lambda f: f.write(text))
+    _write_index(merged, folder)
 
 
 def offload_state_dict(save_dir: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -210,9 +142,10 @@ def extract_submodules_state_dict(state_dict: Mapping[str, Any], submodule_names
 class OffloadWriter:
     """Stages tensors for an offload folder, then commits ``index.json`` atomically.
 
-    ``.dat`` files are written under temporary names; :meth:`commit` renames them and
-    then replaces the index, so a failure before the commit leaves the previous index
-    (and its files) untouched.
+    ``.dat`` files are written under temporary names.  :meth:`commit` first drops from the
+    index the entries whose files are about to be replaced, then renames the files, then
+    writes the merged index: at every instant each index entry describes its file's bytes,
+    and a failure before the commit leaves the previous index (and its files) untouched.
 
     Args:
         folder: the offload folder (created if needed).
@@ -236,9 +169,14 @@ class OffloadWriter:
         self._staged: dict[str, Path] = {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Stage ``tensor`` as ``<name>.dat``."""
+        """Stage ``tensor`` as ``<name>.dat``.
+
+        Raises:
+            ValueError: ``name`` would leave the folder (see :func:`dat_path`).
+        """
+        path = dat_path(self.folder, name, create=True)
         data = _raw_bytes(tensor)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{name}.", suffix=".dat.tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         self._staged[name] = Path(tmp)
         with os.fdopen(fd, "wb") as f:
             f.write(memoryview(data))
@@ -248,7 +186,8 @@ class OffloadWriter:
         """Make ``name`` hold the same data as the already staged/pointed ``source`` (tied weights)."""
         entry = dict(self.index[source])
         if source in self._staged:
-            tmp = self.folder / f".{name}.{os.getpid()}.dat.tmp"
+            path = dat_path(self.folder, name, create=True)
+            tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
             tmp.unlink(missing_ok=True)
             try:
                 os.link(self._staged[source], tmp)
@@ -269,11 +208,20 @@ class OffloadWriter:
         }
 
     def commit(self) -> None:
-        """Move the staged ``.dat`` files into place, then replace ``index.json`` (merged)."""
+        """Move the staged ``.dat`` files into place, then replace ``index.json`` (merged).
+
+        Entries of the previous index whose files are replaced are first dropped from it (one
+        atomic write), so no index ever describes a file holding other bytes.
+        """
+        previous = load_offload_index(self.folder)
+        replaced = [name for name in self._staged if name in previous]
+        if replaced:
+            _write_index({k: v for k, v in previous.items() if k not in self._staged}, self.folder)
         for name, tmp in list(self._staged.items()):
-            os.replace(tmp, self.folder / f"{name}.dat")
+            os.replace(tmp, dat_path(self.folder, name))
             del self._staged[name]
-        save_offload_index(self.index, self.folder)
+        previous.update(self.index)
+        _write_index(previous, self.folder)
 
     def abort(self) -> None:
         """Delete the staged files; the folder's index is left as it was."""
@@ -353,7 +301,7 @@ class OffloadedWeightsLoader(Mapping):
                 if tensor.numel() and tensor.untyped_storage().nbytes() != file_bytes:
                     return tensor  # a cast or realigned copy: not kept (it is not file-backed memory)
             else:
-                tensor = load_offloaded_weight(self.save_folder / f"{key}.dat", info)  # type: ignore[operator]
+                tensor = load_offloaded_weight(dat_path(self.save_folder, key), info)  # type: ignore[arg-type]
             self._mapped[key] = tensor
             return tensor.detach()
 

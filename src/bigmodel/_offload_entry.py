@@ -1,0 +1,193 @@
+"""Whole-model offload: ``cpu_offload``, ``disk_offload`` and ``cpu_offload_with_hook``.
+
+Also what makes an offload folder hold a model's weights (:func:`ensure_offloaded`): an
+existing ``index.json`` is trusted entry by entry only when the entry matches the model's
+tensor (shape, dtype, file present and of the right size); the others are written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._align import CpuOffload, PinnedCpuOffload, UserCpuOffloadHook, attach_align_device_hook, default_execution_device
+from ._align_hook import AlignDevicesHook
+from ._devices import DeviceSpec
+from ._hook_registry import add_hook_to_module
+from ._offload import OffloadedWeightsLoader, dat_path, dtype_name, load_offload_index, offload_state_dict, parse_dtype
+from ._pinned import pin_tensors
+from ._redispatch import _enable_prefetch, _guard_moves, _runs_on_accelerator, _undispatch
+from ._tensors import find_tied_parameters
+
+logger = logging.getLogger(__name__)
+
+
+def _entry_problem(entry: Any, tensor: torch.Tensor, folder: Path, name: str) -> str | None:
+    """Why ``entry`` of an offload index cannot serve as the value of ``tensor`` (None if it can)."""
+    if not isinstance(entry, Mapping):
+        return "not in the index"
+    try:
+        dtype = parse_dtype(entry.get("dtype", ""), name)
+    except ValueError:
+        return f"unknown dtype {entry.get('dtype')!r}"
+    shape = entry.get("shape")
+    if shape is not None and list(shape) != list(tensor.shape):
+        return f"shape {list(shape)} vs model {list(tensor.shape)}"
+    if tensor.device.type != "meta" and dtype != tensor.dtype:
+        return f"dtype {dtype_name(dtype)} vs model {dtype_name(tensor.dtype)}"
+    if "safetensors_file" in entry:
+        path = Path(str(entry["safetensors_file"]))
+        return None if (path if path.is_absolute() else folder / path).is_file() else "its safetensors file is missing"
+    if shape is None:
+        return "no shape"
+    path = dat_path(folder, name)
+    if not path.is_file() or path.stat().st_size != dtype.itemsize * tensor.numel():
+        return f"{path.name} is missing or has the wrong size"
+    return None
+
+
+def ensure_offloaded(folder: str | os.PathLike, state: Mapping[str, torch.Tensor]) -> None:
+    """Make ``folder`` hold every tensor of ``state``: entries its index lacks or describes otherwise
+    (shape, dtype, missing file) are written (atomically) from the model's values.
+
+    Raises:
+        ValueError: such a tensor is on ``meta`` (no value to write); raised before anything is written.
+    """
+    folder = Path(folder)
+    index = load_offload_index(folder) if folder.is_dir() else {}
+    problems = {k: _entry_problem(index.get(k), v, folder, k) for k, v in state.items()}
+    problems = {k: why for k, why in problems.items() if why is not None}
+    if not problems:
+        return
+    meta = [f"{k} ({problems[k]})" for k in problems if state[k].device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"{len(meta)} tensor(s) to offload are on the meta device and {str(folder)!r}/index.json cannot "
+            f"provide them: {meta[:3]}; load the checkpoint first (load_checkpoint_and_dispatch), or use an "
+            "offload folder written for this model."
+        )
+    if len(problems) < len(state) and index:
+        logger.info("Offload folder %s: writing %d tensor(s) its index lacks or describes otherwise (e.g. %s).",
+                    folder, len(problems), next(iter(problems.items())))
+    offload_state_dict(folder, {k: state[k] for k in problems})
+
+
+def read_by_hooks(model: nn.Module, offload_buffers: bool) -> dict[str, torch.Tensor]:
+    """The model's tensors that offloading hooks read from the weights map (by state-dict name)."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    if offload_buffers:
+        names.update(name for name, _ in model.named_buffers(remove_duplicate=False))
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k in names}
+
+
+def _default_device(model: nn.Module) -> torch.device:
+    param = next(iter(model.parameters()), None)
+    return param.device if param is not None and param.device.type != "meta" else torch.device("cpu")
+
+
+def _attach_whole_model(model: nn.Module, execution_device: Any, weights_map: Mapping, offload_buffers: bool,
+                        preload_module_classes: list[str] | None) -> None:
+    tied = find_tied_parameters(model)
+    add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
+    attach_align_device_hook(
+        model, execution_device=execution_device, offload=True, offload_buffers=offload_buffers,
+        weights_map=weights_map, preload_module_classes=preload_module_classes,
+    )  # fmt: skip
+    _enable_prefetch(model, execution_device)
+    _guard_moves(model, tied)
+
+
+def cpu_offload(
+    model: nn.Module,
+    execution_device: DeviceSpec | None = None,
+    offload_buffers: bool = False,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    preload_module_classes: list[str] | None = None,
+) -> nn.Module:
+    """Keep all of ``model``'s weights on the CPU; each submodule's come to ``execution_device`` for its forward.
+
+    Args:
+        model: the model.
+        execution_device: where forwards run (default: the device of the model's first parameter).
+        offload_buffers: offload buffers too (else they live on ``execution_device``).
+        state_dict: the CPU values (default: the model's own, moved to CPU); pinned once when
+            ``execution_device`` is an accelerator, and prefetched onto it on a side stream.
+        preload_module_classes: class names whose weights are all loaded at the start of their forward.
+
+    Returns:
+        The model, hooked.
+    """
+    _undispatch(model, "cpu_offload")
+    device = execution_device if execution_device is not None else _default_device(model)
+    if state_dict is None:
+        state_dict = {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
+    if _runs_on_accelerator(device):
+        state_dict = pin_tensors(state_dict)  # once, for asynchronous copies to the device
+    _attach_whole_model(model, device, state_dict, offload_buffers, preload_module_classes)
+    return model
+
+
+def disk_offload(
+    model: nn.Module,
+    offload_dir: str | os.PathLike,
+    execution_device: DeviceSpec | None = None,
+    offload_buffers: bool = False,
+    preload_module_classes: list[str] | None = None,
+) -> nn.Module:
+    """Keep all of ``model``'s weights on disk in ``offload_dir``; each submodule's are read for its forward.
+
+    The weights are read from ``offload_dir`` when its ``index.json`` already holds every one of
+    them (same shape and dtype, file present); the others are written there first.  A model
+    dispatched or offloaded before has its hooks removed first (its weights come back).
+
+    Args:
+        model: the model.
+        offload_dir: the offload folder.
+        execution_device: where forwards run (default: the device of the model's first parameter);
+            on an accelerator, weights are read ahead through a pinned staging buffer and copied
+            on a side stream.
+        offload_buffers: offload buffers too.
+        preload_module_classes: class names whose weights are all loaded at the start of their forward.
+
+    Returns:
+        The model, hooked.
+
+    Raises:
+        ValueError: a weight is on ``meta`` and ``offload_dir`` cannot provide it (before the model is changed).
+    """
+    _undispatch(model, "disk_offload")
+    ensure_offloaded(offload_dir, {k: v.detach() for k, v in read_by_hooks(model, offload_buffers).items()})
+    device = execution_device if execution_device is not None else _default_device(model)
+    weights_map = OffloadedWeightsLoader(save_folder=offload_dir)
+    _attach_whole_model(model, device, weights_map, offload_buffers, preload_module_classes)
+    return model
+
+
+def cpu_offload_with_hook(
+    model: nn.Module,
+    execution_device: DeviceSpec | None = None,
+    prev_module_hook: UserCpuOffloadHook | None = None,
+) -> tuple[nn.Module, UserCpuOffloadHook]:
+    """Move the whole model to ``execution_device`` at its forward and keep it there until offloaded.
+
+    Args:
+        model: the model (moved to the CPU now).
+        execution_device: where the forward runs (default: the first accelerator, else the CPU);
+            on an accelerator the CPU copy is pinned once (:class:`PinnedCpuOffload`).
+        prev_module_hook: the hook of the model that runs before this one; it is offloaded when
+            this model's forward starts.
+
+    Returns:
+        ``(model, hook)``; ``hook.offload()`` sends the model back to the CPU.
+    """
+    device = execution_device if execution_device is not None else default_execution_device()
+    hook_class = PinnedCpuOffload if _runs_on_accelerator(device) else CpuOffload
+    hook = hook_class(execution_device=device, prev_module_hook=prev_module_hook)
+    add_hook_to_module(model, hook, append=True)
+    return model, UserCpuOffloadHook(model, hook)

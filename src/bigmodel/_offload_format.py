@@ -1,0 +1,157 @@
+"""The offload-folder format: ``index.json`` entries, ``.dat`` file names, and reading one tensor.
+
+Format (shared with the ecosystem): ``index.json`` maps each tensor name to either
+
+- ``{"dtype": "bfloat16", "shape": [4096, 4096]}`` with the tensor's bytes in ``<name>.dat``
+  (raw, C order, no header; any dtype, bf16/fp8 included, round-trips bit-exactly), or
+- ``{"safetensors_file": path, "weight_name": key, "dtype": "float16"}`` (bigmodel also
+  writes ``"shape"``) pointing into an existing safetensors file, which is never rewritten.
+
+A tensor name maps to its file through :func:`dat_path`: a ``/`` in the name (torch module
+names may hold one) makes subfolders, and names that would leave the folder (``..``, absolute
+paths, empty parts) are refused.  Reads are memory maps: a CPU tensor from the folder is a
+zero-copy view of its file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._checkpoint import SafetensorsFile
+
+INDEX_NAME = "index.json"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"`` (the spelling used in ``index.json``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str, where: str) -> torch.dtype:
+    """``"bfloat16"`` → ``torch.bfloat16``.
+
+    Raises:
+        ValueError: not a torch dtype name (names ``where`` the name was found).
+    """
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: {name!r} is not a torch dtype name (e.g. 'float16', 'bfloat16').")
+    return dtype
+
+
+def dat_path(folder: str | os.PathLike, name: str, create: bool = False) -> Path:
+    """The ``.dat`` file of tensor ``name`` in an offload folder: ``<folder>/<name>.dat``.
+
+    Args:
+        folder: the offload folder.
+        name: the tensor name (a ``/`` in it makes a subfolder, as ``<name>.dat`` implies).
+        create: create the subfolders, and check that none of them resolves outside ``folder``
+            (a symbolic link planted in the folder).
+
+    Returns:
+        The file's path, always inside ``folder``.
+
+    Raises:
+        ValueError: the name is empty, absolute, or has an empty, ``.`` or ``..`` part (names the key).
+    """
+    parts = name.split("/") if isinstance(name, str) else [""]
+    bad = not isinstance(name, str) or "\0" in name or (os.altsep is not None and os.altsep in name)
+    if bad or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(
+            f"Tensor name {name!r} cannot name a file inside the offload folder (it is empty, absolute, or has an "
+            "empty, '.' or '..' part between '/'); rename the tensor or its module before offloading it."
+        )
+    root = Path(folder)
+    path = root.joinpath(*parts[:-1], f"{parts[-1]}.dat")
+    if create and len(parts) > 1:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.resolve().is_relative_to(root.resolve()):
+            raise ValueError(
+                f"Tensor name {name!r}: {str(path.parent)!r} resolves outside the offload folder {str(root)!r} "
+                "(a symbolic link); use an offload folder holding no links."
+            )
+    return path
+
+
+def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[str, Any]) -> torch.Tensor:
+    """Read one offloaded tensor as a zero-copy, memory-mapped CPU tensor.
+
+    Args:
+        weight_file: the ``.dat`` file (ignored for entries pointing into a safetensors file).
+        weight_info: its ``index.json`` entry (``{"dtype", "shape"}`` or ``{"safetensors_file", ...}``).
+
+    Returns:
+        The tensor on CPU (writable; writes are private to this process and never reach the file).
+
+    Raises:
+        ValueError: the entry is malformed or the file size does not match dtype × shape.
+        FileNotFoundError: the file is missing.
+    """
+    if "safetensors_file" in weight_info:
+        return _read_safetensors_entry(weight_info, Path(weight_file).stem, {})
+    path = Path(weight_file)
+    dtype = parse_dtype(weight_info.get("dtype", ""), f"offload entry for {str(path)!r}")
+    shape = tuple(int(d) for d in weight_info.get("shape", ()))
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    if not path.is_file():
+        raise FileNotFoundError(f"Offloaded weight file {str(path)!r} is missing; offload the model again.")
+    size = path.stat().st_size
+    if size != nbytes:
+        raise ValueError(
+            f"Offloaded weight file {str(path)!r} holds {size} bytes but its index entry ({dtype_name(dtype)}, "
+            f"shape {list(shape)}) needs {nbytes}; the offload folder is stale or corrupted: offload again."
+        )
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _safetensors_path(info: Mapping[str, Any], folder: Path | None) -> str:
+    """The file an entry points into (a relative path is taken from ``folder``)."""
+    path = str(info["safetensors_file"])
+    if folder is not None and not Path(path).is_absolute():
+        path = str(folder / path)
+    return path
+
+
+def _read_safetensors_entry(
+    info: Mapping[str, Any], key: str, cache: dict[str, SafetensorsFile], folder: Path | None = None
+) -> torch.Tensor:
+    """Read an entry pointing into a safetensors file (a relative path is taken from ``folder``)."""
+    path = _safetensors_path(info, folder)
+    handle = cache.get(path)
+    if handle is None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"Offload entry {key!r} points to {path!r}, which is missing; load the checkpoint again."
+            )
+        handle = cache[path] = SafetensorsFile(path)
+    tensor = handle.tensor(info.get("weight_name", key))
+    if "dtype" in info:
+        dtype = parse_dtype(info["dtype"], f"offload entry {key!r}")
+        if tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+    return tensor
+
+
+def load_offload_index(folder: str | os.PathLike) -> dict[str, dict]:
+    """The ``index.json`` of an offload folder (empty dict if there is none).
+
+    Raises:
+        ValueError: the index exists but is not valid JSON (names the file).
+    """
+    path = Path(folder) / INDEX_NAME
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(
+            f"Offload index {str(path)!r} is corrupted ({err}); delete the offload folder and reload."
+        ) from err
