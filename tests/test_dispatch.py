@@ -109,9 +109,35 @@ def test_cpu_offload_and_disk_offload(reference, tmp_path):
         model = disk_offload(loaded(state), tmp_path)
         assert model.layers[0].up.weight.is_meta
         assert torch.equal(model(IDS), expected) and torch.equal(model(IDS), expected)
-        # the folder is reused as is
-        model = disk_offload(fresh(3), tmp_path)
+        # a model without values of its own (meta) reads the folder as is
+        with init_empty_weights():
+            empty = TinyLM().eval()
+        model = disk_offload(empty, tmp_path)
         assert torch.equal(model(IDS), expected)
+
+
+@pytest.mark.parametrize("entry", ["dispatch_model", "disk_offload"])
+def test_stale_offload_folder_never_replaces_real_weights(entry, reference, tmp_path):
+    """A folder written for other weights (same shapes) is rewritten from the model's own values."""
+    state, expected = reference
+
+    def offload(model):
+        if entry == "disk_offload":
+            return disk_offload(model, tmp_path)
+        return dispatch_model(model, MAPS["layers_on_disk"], offload_dir=tmp_path)
+
+    with torch.no_grad():
+        assert torch.equal(offload(loaded(state))(IDS), expected)
+        other = fresh(3)
+        other_expected = other(IDS)
+        assert not torch.equal(other_expected, expected)
+        assert torch.equal(offload(other)(IDS), other_expected)
+        # the same values again: the entries are reused, not rewritten (same file, same inode)
+        dat = tmp_path / "layers.1.up.weight.dat"
+        inode = dat.stat().st_ino
+        third = fresh(3)
+        assert torch.equal(offload(third)(IDS), other_expected)
+        assert dat.stat().st_ino == inode
 
 
 def test_cpu_offload_with_hook_chain(reference):
@@ -142,7 +168,7 @@ def test_moving_an_offloaded_model_raises(reference, tmp_path):
             call()
     assert model.layers[1].up.weight.is_meta
     remove_hook_from_submodules(model)
-    assert "to" not in model.__dict__
+    assert "to" not in model.__dict__ and "_apply" not in model.__dict__
     model.to(torch.float64)  # allowed again, weights back in the modules
     assert model.layers[1].up.weight.dtype == torch.float64
 
@@ -164,6 +190,84 @@ def test_state_dict_of_offloaded_model(reference, tmp_path):
     assert list(full) == list(state)
     for name, value in state.items():
         assert torch.equal(full[name], value), name
+
+
+@pytest.mark.parametrize("kind", ["cpu_disk", "all_disk"])
+def test_state_dict_of_offloaded_model_is_a_copy(kind, reference, tmp_path):
+    state, expected = reference
+    model = dispatch_model(loaded(state), MAPS[kind], offload_dir=tmp_path, force_hooks=True)
+    full = get_state_dict_offloaded_model(model)
+    full["layers.1.up.weight"].zero_()  # offloaded (disk): its value lives in the weights map
+    with torch.no_grad():
+        assert torch.equal(model(IDS), expected)
+    assert torch.equal(get_state_dict_offloaded_model(model)["layers.1.up.weight"], state["layers.1.up.weight"])
+
+
+class TiedThreeParts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.mid(self.emb(x)))
+
+
+@pytest.mark.parametrize("device_map", [
+    {"emb": "cpu", "mid": "disk", "head": "disk"},
+    {"emb": "cpu", "mid": "cpu", "head": "disk"},
+    {"emb": "disk", "mid": "cpu", "head": "cpu"},
+])  # fmt: skip
+def test_ties_with_an_offloaded_member_read_the_same_before_and_after_forward(device_map, tmp_path):
+    torch.manual_seed(0)
+    model = TiedThreeParts().eval()
+    x = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = model(x)
+        dispatch_model(model, device_map, offload_dir=tmp_path)
+        before = (model.head.weight is model.emb.weight, model.head.weight.is_meta, model.emb.weight.is_meta)
+        assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
+        after = (model.head.weight is model.emb.weight, model.head.weight.is_meta, model.emb.weight.is_meta)
+    assert before == after == (False, device_map["head"] == "disk", device_map["emb"] == "disk")
+    remove_hook_from_submodules(model)
+    assert model.head.weight is model.emb.weight
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def test_resident_ties_stay_tied_after_dispatch(reference, tmp_path):
+    model = dispatch_model(loaded(reference[0]), MAPS["layers_on_disk"], offload_dir=tmp_path)
+    assert model.lm_head.weight is model.embed.weight  # neither is offloaded
+    with torch.no_grad():
+        model(IDS)
+    assert model.lm_head.weight is model.embed.weight
+
+
+@pytest.mark.parametrize("call", ["float", "double", "bfloat16", "type", "to_empty", "wrapper"])
+def test_every_move_or_cast_of_an_offloaded_model_is_refused(call, reference, tmp_path):
+    model = dispatch_model(loaded(reference[0]), MAPS["cpu_disk"], offload_dir=tmp_path)
+    actions = {
+        "float": lambda: model.float(), "double": lambda: model.double(), "bfloat16": lambda: model.bfloat16(),
+        "type": lambda: model.type(torch.float64), "to_empty": lambda: model.to_empty(device="cpu"),
+        "wrapper": lambda: nn.Sequential(model).to(torch.float64),  # a parent's move reaches the model too
+    }  # fmt: skip
+    name = "to" if call == "wrapper" else call
+    with pytest.raises(RuntimeError, match=rf"Cannot call \.{name}\(\) on a TinyLM .*remove_hook_from_submodules"):
+        actions[call]()
+    assert model.embed.weight.dtype == torch.float32 and model.layers[1].up.weight.is_meta
+    remove_hook_from_submodules(model)
+    assert "_apply" not in model.__dict__
+
+
+def test_move_guard_names_no_backend():
+    import inspect
+    import re
+
+    import bigmodel._redispatch as redispatch
+
+    assert not re.search(r"\b(cuda|xpu|npu|mps|hpu|mlu)\b", inspect.getsource(redispatch))
 
 
 @pytest.mark.parametrize("kind", ["cpu_disk", "all_disk"])

@@ -42,8 +42,24 @@ def test_named_module_tensors():
 def test_get_non_persistent_buffers():
     model = nn.Sequential(Block(), Block())
     assert get_non_persistent_buffers(model[0]) == {"cache"}
-    assert get_non_persistent_buffers(model, recurse=True) == {"0.cache", "1.cache"}
+    assert get_non_persistent_buffers(model, recurse=True) == {"cache"}  # bare names, as accelerate returns
+    assert get_non_persistent_buffers(model, recurse=True, fqns=True) == {"0.cache", "1.cache"}
     assert get_non_persistent_buffers(model) == set()
+    assert get_non_persistent_buffers(model, fqns=True) == set()  # fqns only matters with recurse
+    returned = get_non_persistent_buffers(model[0], recurse=True)
+    returned.add("other")
+    assert model[0]._non_persistent_buffers_set == {"cache"}  # a new set: the module's is never changed
+
+
+def test_offload_buffers_keeps_nested_non_persistent_buffers_off_the_weights_map():
+    from bigmodel import AlignDevicesHook, add_hook_to_module
+
+    model = nn.Sequential(Block(), Block())
+    add_hook_to_module(model, AlignDevicesHook("cpu", offload=True, offload_buffers=True, place_submodules=True))
+    assert sorted(model._hf_hook.weights_map) == [
+        "0.linear.bias", "0.linear.weight", "0.scale", "1.linear.bias", "1.linear.weight", "1.scale",
+    ]  # fmt: skip
+    assert not model[0].cache.is_meta and model[0].scale.is_meta  # non-persistent: stays on the device
 
 
 def test_set_module_tensor_from_meta_with_value_and_casts():

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from torch import nn
 from ._align_hook import AlignDevicesHook, OffloadedParameter, has_offloaded_params, offload_hook_of
 from ._devices import accelerator_count, accelerator_type
 from ._hook_registry import ModelHook, add_hook_to_module, remove_hook_from_module
-from ._moving import send_to_device
+from ._moving import own_parameters_moved, send_to_device
 from ._pinned import pin_tensors
 from ._tensors import named_module_tensors
 from ._transfer import CopyStream
@@ -229,10 +230,91 @@ def attach_align_device_hook(
         )
 
 
+@dataclass(frozen=True)
+class _BlockPlan:
+    """What one block of a device map gets (pure data; :func:`_apply_block` carries it out).
+
+    ``kind``: ``"resident"`` — one hook placing the whole subtree on ``device``; ``"offloaded"`` —
+    offloading hooks on every module of the subtree; ``"io"`` — the root is not a block itself
+    and only moves inputs/outputs.  ``per_block_map``: the plan comes from a per-block map (the
+    block then always carries a hook, and its submodules move their inputs to ``device``).
+    """
+
+    name: str
+    device: Any
+    kind: Literal["resident", "offloaded", "io"]
+    io_same_device: bool
+    per_block_map: bool
+
+
+@dataclass(frozen=True)
+class _SharedSettings:
+    """Settings every block's hooks share."""
+
+    weights_map: Mapping[str, torch.Tensor] | None
+    offload_buffers: bool
+    skip_keys: str | list[str] | None
+    preload_module_classes: list[str] | None
+    tied_params_map: dict | None
+
+
+def _plan_blocks(
+    module: nn.Module, execution_device: Any, offload: Any, module_name: str
+) -> list[tuple[nn.Module, _BlockPlan]]:
+    """Resolve ``execution_device``/``offload`` (values or per-block dicts) into one plan per block."""
+    if not isinstance(execution_device, Mapping) and not isinstance(offload, Mapping):
+        kind = "offloaded" if offload else "resident"
+        return [(module, _BlockPlan(module_name, execution_device, kind, not offload, per_block_map=False))]
+    devices = execution_device if isinstance(execution_device, Mapping) else dict.fromkeys(offload, execution_device)
+    offloads = offload if isinstance(offload, Mapping) else dict.fromkeys(devices, offload)
+    plans = []
+    for name, sub in module.named_modules(prefix=module_name, remove_duplicate=False):
+        if name in devices and name in offloads:
+            kind = "offloaded" if offloads[name] else "resident"
+            plans.append((sub, _BlockPlan(name, devices[name], kind, name == "", per_block_map=True)))
+        elif name == "":
+            plans.append((sub, _BlockPlan("", devices.get(""), "io", True, per_block_map=True)))
+    return plans
+
+
+def _apply_block(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -> None:
+    """Attach the hooks ``plan`` describes to ``module``."""
+    if plan.kind == "io":
+        hook = AlignDevicesHook(plan.device, io_same_device=True, skip_keys=shared.skip_keys,
+                                tied_params_map=shared.tied_params_map)
+        add_hook_to_module(module, hook)
+        return
+    if plan.kind == "resident":
+        hook = AlignDevicesHook(plan.device, io_same_device=plan.io_same_device, offload_buffers=shared.offload_buffers,
+                                place_submodules=True, skip_keys=shared.skip_keys,
+                                tied_params_map=shared.tied_params_map)
+        add_hook_to_module(module, hook)
+    else:
+        attach_align_device_hook(
+            module, plan.device, True, shared.weights_map, shared.offload_buffers, plan.name, shared.skip_keys,
+            shared.preload_module_classes, shared.tied_params_map,
+        )  # fmt: skip
+        if plan.per_block_map:
+            _give_block_a_hook(module, plan, shared)
+    if plan.per_block_map:
+        attach_execution_device_hook(module, plan.device, shared.skip_keys, shared.preload_module_classes,
+                                     shared.tied_params_map)
+
+
+def _give_block_a_hook(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -> None:
+    """An offloaded block without tensors of its own still moves its inputs (and the root its outputs)."""
+    if "_hf_hook" not in module.__dict__:
+        hook = AlignDevicesHook(plan.device, io_same_device=plan.io_same_device, skip_keys=shared.skip_keys,
+                                tied_params_map=shared.tied_params_map)
+        add_hook_to_module(module, hook)
+    elif plan.io_same_device:
+        _set_io_same_device(module)
+
+
 def attach_align_device_hook_on_blocks(
     module: nn.Module,
     execution_device: Any = None,
-    offload: bool | Mapping[str, bool] = None,  # type: ignore[assignment]
+    offload: bool | Mapping[str, bool] = False,
     weights_map: Mapping[str, torch.Tensor] | None = None,
     offload_buffers: bool = False,
     module_name: str = "",
@@ -242,61 +324,21 @@ def attach_align_device_hook_on_blocks(
 ) -> None:
     """Attach hooks per block of a device map.
 
+    With a single device and ``offload`` bool, the whole module is one block.  With dicts, each
+    named block gets either one hook placing its subtree on its device (not offloaded) or
+    offloading hooks on every module of its subtree; its submodules move their inputs to its
+    device.  The root (``module_name == ""``) also moves outputs back to the input device.
+
     Args:
+        module: the model (or the subtree named ``module_name``).
         execution_device: a device spec, or a dict block name → device spec.
         offload: a bool, or a dict block name → bool (offload that block's weights).
-        Others as in :func:`attach_align_device_hook`.  The root (``module_name == ""``) also
-        moves outputs back to the input device.
+        weights_map, offload_buffers, module_name, skip_keys, preload_module_classes, tied_params_map:
+            as in :func:`attach_align_device_hook`.
     """
-    if not isinstance(execution_device, Mapping) and not isinstance(offload, Mapping):
-        if offload:
-            attach_align_device_hook(
-                module, execution_device, True, weights_map, offload_buffers, module_name, skip_keys,
-                preload_module_classes, tied_params_map,
-            )
-        else:
-            hook = AlignDevicesHook(
-                execution_device, io_same_device=True, skip_keys=skip_keys, place_submodules=True,
-                tied_params_map=tied_params_map,
-            )
-            add_hook_to_module(module, hook)
-        return
-    if not isinstance(execution_device, Mapping):
-        execution_device = {key: execution_device for key in offload}  # type: ignore[union-attr]
-    if not isinstance(offload, Mapping):
-        offload = {key: offload for key in execution_device}
-    _attach_block(module, execution_device, offload, weights_map, offload_buffers, module_name, skip_keys,
-                  preload_module_classes, tied_params_map)
-    for child_name, child in module.named_children():
-        attach_align_device_hook_on_blocks(
-            child, execution_device, offload, weights_map, offload_buffers,
-            f"{module_name}.{child_name}" if module_name else child_name, skip_keys, preload_module_classes,
-            tied_params_map,
-        )
-
-
-def _attach_block(module, execution_device, offload, weights_map, offload_buffers, module_name, skip_keys,
-                  preload_module_classes, tied_params_map) -> None:  # noqa: ANN001
-    is_root = module_name == ""
-    if module_name in execution_device and module_name in offload:
-        device = execution_device[module_name]
-        if not offload[module_name]:
-            hook = AlignDevicesHook(device, offload_buffers=offload_buffers, io_same_device=is_root,
-                                    place_submodules=True, skip_keys=skip_keys, tied_params_map=tied_params_map)
-            add_hook_to_module(module, hook)
-        else:
-            attach_align_device_hook(module, device, True, weights_map, offload_buffers, module_name, skip_keys,
-                                     preload_module_classes, tied_params_map)
-            if "_hf_hook" not in module.__dict__:
-                add_hook_to_module(module, AlignDevicesHook(device, io_same_device=is_root, skip_keys=skip_keys,
-                                                            tied_params_map=tied_params_map))
-            elif is_root:
-                _set_io_same_device(module)
-        attach_execution_device_hook(module, device, skip_keys, preload_module_classes, tied_params_map)
-    elif is_root:
-        hook = AlignDevicesHook(execution_device.get(""), io_same_device=True, skip_keys=skip_keys,
-                                tied_params_map=tied_params_map)
-        add_hook_to_module(module, hook)
+    shared = _SharedSettings(weights_map, offload_buffers, skip_keys, preload_module_classes, tied_params_map)
+    for block, plan in _plan_blocks(module, execution_device, offload, module_name):
+        _apply_block(block, plan, shared)
 
 
 def _set_io_same_device(module: nn.Module) -> None:
@@ -311,8 +353,9 @@ def align_module_device(module: nn.Module, execution_device: Any = None) -> Iter
 
     Changes made to them inside the context are kept: on exit, a value that differs from the
     weights map's is stored back into the weights map (replacing the entry; the read-only
-    on-disk files are never written to).  A module without offloaded tensors is moved to
-    ``execution_device`` (if given) for the duration.
+    on-disk files are never written to).  A module without an offloading hook has its own
+    (direct) parameters moved to ``execution_device`` (if given) for the duration, in place: the
+    Parameter objects, and ties between them, are kept; submodules are left alone.
 
     Args:
         module: the module.
@@ -320,7 +363,7 @@ def align_module_device(module: nn.Module, execution_device: Any = None) -> Iter
     """
     hook = offload_hook_of(module)
     if hook is None:
-        with _moved_temporarily(module, execution_device):
+        with own_parameters_moved(module, execution_device):
             yield
         return
     original = hook.execution_device
@@ -345,6 +388,8 @@ def _store_changes(module: nn.Module, hook: AlignDevicesHook, values: Mapping[st
     for name, old in values.items():
         sub, attr = get_submodule_and_name(module, name)
         current = sub._parameters[attr] if attr in sub._parameters else sub._buffers[attr]
+        if current.is_meta:  # aligned to meta: nothing to store
+            continue
         new = current.detach().to(old.device, old.dtype)
         if not torch.equal(new, old):
             _store(hook.weights_map, name, new)
@@ -366,19 +411,3 @@ def _store(weights_map: Any, name: str, value: torch.Tensor) -> None:
             f"Cannot store the changed value of {key!r}: the weights map {type(dataset).__name__} is read-only "
             "and has no in-memory `state_dict`; use a dict or an OffloadedWeightsLoader as weights map."
         )
-
-
-@contextlib.contextmanager
-def _moved_temporarily(module: nn.Module, execution_device: Any) -> Iterator[None]:
-    if execution_device is None:
-        yield
-        return
-    devices = {name: t.device for name, t in named_module_tensors(module, recurse=True)}
-    module.to(execution_device)
-    try:
-        yield
-    finally:
-        from ._tensors import set_module_tensor_to_device
-
-        for name, device in devices.items():
-            set_module_tensor_to_device(module, name, device, clear_cache=False)

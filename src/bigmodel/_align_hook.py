@@ -175,12 +175,12 @@ class AlignDevicesHook(ModelHook):
         self.prefetcher: Any = None  # set by _prefetch.enable_prefetch
         self._slots: dict[str, _Slot] = {}
 
+    _REPR_FIELDS = ("execution_device", "offload", "io_same_device", "offload_buffers", "place_submodules",
+                    "skip_keys")
+
     def __repr__(self) -> str:
-        return (
-            f"AlignDevicesHook(execution_device={self.execution_device}, offload={self.offload}, "
-            f"io_same_device={self.io_same_device}, offload_buffers={self.offload_buffers}, "
-            f"place_submodules={self.place_submodules}, skip_keys={self.skip_keys!r})"
-        )
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._REPR_FIELDS)
+        return f"{type(self).__name__}({fields})"
 
     @property
     def device(self) -> torch.device | None:
@@ -238,7 +238,7 @@ class AlignDevicesHook(ModelHook):
         if self.execution_device is None:
             return
         if self.offload_buffers:
-            names = get_non_persistent_buffers(module, recurse=self.place_submodules)
+            names = get_non_persistent_buffers(module, recurse=self.place_submodules, fqns=True)
         else:
             names = [name for name, _ in module.named_buffers(recurse=self.place_submodules)]
         for name in names:
@@ -265,12 +265,11 @@ class AlignDevicesHook(ModelHook):
         return slot.param_type(value, requires_grad=requires_grad, **slot.extra)
 
     def stored_value(self, name: str) -> torch.Tensor:
-        """The offloaded value of ``name`` as a CPU tensor in the module's dtype (from the weights map)."""
-        value = self.weights_map[name].detach().to("cpu")  # type: ignore[index]
-        placeholder = self._slots[name].placeholder
-        if value.is_floating_point() and value.dtype != placeholder.dtype:
-            value = value.to(placeholder.dtype)
-        return value
+        """A copy of the offloaded value of ``name``: a CPU tensor in the module's dtype, sharing no
+        memory with the weights map (changing it never changes the model)."""
+        value = self.weights_map[name].detach()  # type: ignore[index]
+        dtype = self._slots[name].dtype if value.is_floating_point() else None
+        return value.to(device="cpu", dtype=dtype or value.dtype, copy=True)
 
     def load_weights(self, module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) -> None:
         """Put the offloaded values into ``module`` (from ``values`` if given, else the weights map)."""

@@ -56,6 +56,22 @@ def _tied_params_map(model: nn.Module) -> tuple[list[list[str]], dict[int, dict]
     return tied, pointers
 
 
+def _resident_groups(model: nn.Module, tied: list[list[str]]) -> list[list[str]]:
+    """The tied groups none of whose members is offloaded (those are tied again after hooking).
+
+    A group with an offloaded member is left as the hooks made it: the offloaded member keeps
+    its ``meta`` placeholder and loads its value at its forward, so ``a.weight is b.weight``
+    reads the same before and after the first forward (the ties come back when the hooks are
+    removed).
+    """
+    offloaded = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        hook = offload_hook_of(module)
+        if hook is not None:
+            offloaded.update(f"{prefix}.{name}" if prefix else name for name in hook.offloaded_names)
+    return [group for group in tied if offloaded.isdisjoint(group)]
+
+
 def _disk_weights(
     model: nn.Module, disk_modules: list[str], offload_dir: Any, offload_index: Any, offload_buffers: bool
 ) -> None:
@@ -156,7 +172,7 @@ def dispatch_model(
         weights_map=weights_map, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
         tied_params_map=tied_map,
     )  # fmt: skip
-    retie_parameters(model, tied)
+    retie_parameters(model, _resident_groups(model, tied))
     if any(offload.values()):
         kinds = sorted({d for d in map(str, device_map.values()) if d in offloaded_kinds})
         logger.info("Modules offloaded to %s run on %s.", "/".join(kinds), main)
@@ -234,8 +250,10 @@ def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
         model: a model dispatched with :func:`dispatch_model` (or offloaded).
 
     Returns:
-        name → CPU tensor, in ``model.state_dict()`` order (offloaded values are read from
-        their weights map, in the model's dtype).
+        name → CPU tensor, in ``model.state_dict()`` order.  Offloaded values are copies read
+        from their weights map, in the model's dtype (changing them never changes the model);
+        tensors the model holds on the CPU are its own, as in ``model.state_dict()``, and those
+        on an accelerator are copied to the CPU.
     """
     offloaded: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():

@@ -1,14 +1,19 @@
 """Move nested inputs and outputs to a device: tensors inside tuples, lists, dicts,
-namedtuples, dataclasses and ``ModelOutput``-like mappings.  Containers keep their type."""
+namedtuples, dataclasses and ``ModelOutput``-like mappings.  Containers keep their type.
+
+Also :func:`own_parameters_moved`: a module's own parameters on a device for a ``with`` block."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from ._devices import torch_device
 
 
 _NO_SKIP: frozenset[str] = frozenset()
@@ -92,16 +97,73 @@ def _move_mapping(obj: Mapping, device: Any, non_blocking: bool, skip: frozenset
 
 
 def find_device(obj: Any) -> torch.device | None:
-    """The device of the first tensor found in ``obj`` (same traversal as :func:`send_to_device`), or None."""
+    """The device of the first tensor found in ``obj``, or None.
+
+    Walks tensors, tuples/lists (namedtuples too), any :class:`~collections.abc.Mapping`
+    (dict, ``OrderedDict``, ``UserDict``, ``BatchEncoding``, ``ModelOutput``) and dataclasses —
+    the containers :func:`send_to_device` moves.
+    """
     if isinstance(obj, torch.Tensor):
         return obj.device
     if isinstance(obj, Mapping):
-        obj = obj.values()
+        items: Iterable[Any] = list(obj.values())
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    if isinstance(obj, (tuple, list, type({}.values()))):
-        for item in obj:
-            device = find_device(item)
-            if device is not None:
-                return device
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, (tuple, list)):
+        items = obj
+    else:
+        return None
+    for item in items:
+        device = find_device(item)
+        if device is not None:
+            return device
     return None
+
+
+@contextlib.contextmanager
+def own_parameters_moved(module: nn.Module, execution_device: Any) -> Iterator[None]:
+    """Put ``module``'s direct parameters on ``execution_device`` for the context.
+
+    Only ``module``'s own parameters move (its submodules may be offloaded, or elsewhere).  A
+    parameter keeps its object (``param.data`` is swapped) when torch allows it; otherwise (to
+    or from ``meta``) a stand-in Parameter is used inside the context and the original object
+    is put back on exit.  Either way ties and references survive the context, and a value
+    changed inside it is copied back.  Parameters on ``meta`` (no data to move) stay there.
+
+    Args:
+        module: the module whose direct parameters move.
+        execution_device: device spec; None moves nothing.
+    """
+    if execution_device is None:
+        yield
+        return
+    device = torch_device(execution_device)
+    names: dict[int, list[str]] = {}
+    for name, param in module._parameters.items():
+        if param is not None and param.device != device and not param.is_meta:
+            names.setdefault(id(param), []).append(name)
+    moved = [_move_parameter(module, attrs, device) for attrs in names.values()]
+    try:
+        yield
+    finally:
+        for attrs, original, data in moved:
+            value = module._parameters[attrs[0]].data
+            if not value.is_meta and value.shape == data.shape:
+                data.copy_(value)  # in-place changes made inside the context are kept
+            original.data = data
+            for attr in attrs:
+                module._parameters[attr] = original
+
+
+def _move_parameter(module: nn.Module, attrs: list[str], device: torch.device) -> tuple[list[str], nn.Parameter, Any]:
+    """Move the parameter held under ``attrs`` to ``device``; returns what restoring it needs."""
+    original = module._parameters[attrs[0]]
+    data = original.data
+    value = data.to(device)
+    if torch._has_compatible_shallow_copy_type(data, value):
+        original.data = value
+    else:  # e.g. cpu <-> meta: torch refuses to swap .data, use a stand-in for the context
+        stand_in = nn.Parameter(value, requires_grad=original.requires_grad)
+        for attr in attrs:
+            module._parameters[attr] = stand_in
+    return attrs, original, data

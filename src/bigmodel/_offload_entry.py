@@ -1,8 +1,9 @@
 """Whole-model offload: ``cpu_offload``, ``disk_offload`` and ``cpu_offload_with_hook``.
 
 Also what makes an offload folder hold a model's weights (:func:`ensure_offloaded`): an
-existing ``index.json`` is trusted entry by entry only when the entry matches the model's
-tensor (shape, dtype, file present and of the right size); the others are written.
+existing ``index.json`` entry is reused for a tensor on ``meta`` only when it matches it
+(shape, dtype, file present and of the right size), and for a tensor holding real values
+only when the stored bytes equal them; the others are written (atomically) from the model.
 """
 
 from __future__ import annotations
@@ -43,18 +44,47 @@ def _entry_problem(entry: Any, tensor: torch.Tensor, folder: Path, name: str) ->
         return f"dtype {dtype_name(dtype)} vs model {dtype_name(tensor.dtype)}"
     if "safetensors_file" in entry:
         path = Path(str(entry["safetensors_file"]))
-        return None if (path if path.is_absolute() else folder / path).is_file() else "its safetensors file is missing"
-    if shape is None:
+        if not (path if path.is_absolute() else folder / path).is_file():
+            return "its safetensors file is missing"
+    elif shape is None:
         return "no shape"
-    path = dat_path(folder, name)
-    if not path.is_file() or path.stat().st_size != dtype.itemsize * tensor.numel():
-        return f"{path.name} is missing or has the wrong size"
+    else:
+        path = dat_path(folder, name)
+        if not path.is_file() or path.stat().st_size != dtype.itemsize * tensor.numel():
+            return f"{path.name} is missing or has the wrong size"
+    if tensor.device.type != "meta" and not _stores_same_bytes(entry, tensor, folder, name):
+        return "it holds other values than the model's"
     return None
 
 
+def _stores_same_bytes(entry: Mapping, tensor: torch.Tensor, folder: Path, name: str) -> bool:
+    """True if the folder's value for ``name`` has exactly ``tensor``'s bytes (read, never written)."""
+    try:
+        stored = OffloadedWeightsLoader(save_folder=folder, index={name: dict(entry)})[name]
+        value = tensor.detach().to("cpu")
+        if stored.shape != value.shape or stored.dtype != value.dtype:
+            return False
+        return torch.equal(_as_bytes(stored), _as_bytes(value))
+    except (OSError, RuntimeError, ValueError, TypeError):
+        return False  # unreadable or not comparable: rewrite it from the model
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
 def ensure_offloaded(folder: str | os.PathLike, state: Mapping[str, torch.Tensor]) -> None:
-    """Make ``folder`` hold every tensor of ``state``: entries its index lacks or describes otherwise
-    (shape, dtype, missing file) are written (atomically) from the model's values.
+    """Make ``folder`` hold every tensor of ``state``.
+
+    An entry of the folder's index is reused for a tensor on ``meta`` (no value of its own) when
+    it matches it (shape, dtype, file present and of the right size); for a tensor holding real
+    values only when the stored bytes equal them, so a stale folder (another model's, or this
+    model's before it changed) never replaces the model's weights.  Every other tensor is
+    written (atomically) from the model's values.
+
+    Args:
+        folder: the offload folder (created if missing).
+        state: state-dict name → tensor (real values, or ``meta`` for values the folder must hold).
 
     Raises:
         ValueError: such a tensor is on ``meta`` (no value to write); raised before anything is written.
@@ -73,8 +103,8 @@ def ensure_offloaded(folder: str | os.PathLike, state: Mapping[str, torch.Tensor
             "offload folder written for this model."
         )
     if len(problems) < len(state) and index:
-        logger.info("Offload folder %s: writing %d tensor(s) its index lacks or describes otherwise (e.g. %s).",
-                    folder, len(problems), next(iter(problems.items())))
+        logger.info("Offload folder %s: writing %d tensor(s) its index lacks, describes otherwise or holds "
+                    "other values for (e.g. %s).", folder, len(problems), next(iter(problems.items())))
     offload_state_dict(folder, {k: state[k] for k in problems})
 
 

@@ -1,13 +1,15 @@
 """What a dispatch leaves on a model, and undoing it before the next one.
 
-A dispatched model refuses ``.to()``/``.half()``/... while parts are offloaded (their values
-live in the weights map and would not follow); dispatching or offloading it again first
-removes the earlier hooks, which brings the real weights back into the modules.
+A dispatched model refuses ``.to()``/``.half()``/... (every move or cast, through a guard on
+``Module._apply``) while parts are offloaded: their values live in the weights map and would
+not follow.  Dispatching or offloading it again first removes the earlier hooks, which brings
+the real weights back into the modules.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -22,17 +24,23 @@ from ._transfer import DeviceStager
 
 logger = logging.getLogger(__name__)
 
-# Methods that move or cast a whole model; on a model with offloaded parts they are refused.
-_MOVE_METHODS = ("to", "cuda", "cpu", "xpu", "npu", "mps", "half", "float", "double", "bfloat16", "type")
-
 
 def _offloaded_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if has_offloaded_params(module)]
 
 
-def _guarded_method(ref: weakref.ref, name: str, method: Callable) -> Callable:
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+def _caller_name() -> str:
+    """The public method that led to ``_apply`` (``to``, ``half``, ...), read from the stack."""
+    frame = sys._getframe(2)  # 0: here, 1: the guard, 2: its caller
+    while frame is not None and frame.f_code.co_name in ("_apply", "guarded_apply"):
+        frame = frame.f_back
+    return frame.f_code.co_name if frame is not None else "_apply"
+
+
+def _guarded_apply(ref: weakref.ref, apply: Callable) -> Callable:
+    def guarded_apply(*args: Any, **kwargs: Any) -> Any:
         model = ref()
+        name = _caller_name()
         offloaded = _offloaded_names(model)
         if offloaded:
             shown = ", ".join(repr(n) for n in offloaded[:3]) + (" ..." if len(offloaded) > 3 else "")
@@ -46,20 +54,23 @@ def _guarded_method(ref: weakref.ref, name: str, method: Callable) -> Callable:
             "Calling .%s() on a model dispatched over several devices moves every part; its hooks keep the old "
             "execution devices. Re-dispatch the model instead.", name,
         )
-        return method(model, *args, **kwargs)
+        return apply(*args, **kwargs)
 
-    guarded.__name__ = name
-    return guarded
+    return guarded_apply
 
 
 def _guard_moves(model: nn.Module, tied: list[list[str]]) -> None:
-    """Refuse .to()/.half()/... on the model while parts are offloaded; remember its ties for removal."""
+    """Refuse moves and casts of the model while parts are offloaded; remember its ties for removal.
+
+    Every :class:`~torch.nn.Module` method that moves or casts tensors (``to``, ``cpu``,
+    ``half``, ``float``, ``type``, the per-backend ones, ``to_empty`` ...) goes through
+    ``Module._apply``; guarding that one method on the instance covers all of them, including
+    any torch adds, without naming them.
+    """
     patch_attribute(model, TIED_PARAMS, tied)
     ref = weakref.ref(model)
-    for name in _MOVE_METHODS:
-        method = getattr(type(model), name, None)
-        if callable(method):
-            patch_attribute(model, name, _guarded_method(ref, name, method))
+    apply = type(model)._apply
+    patch_attribute(model, "_apply", _guarded_apply(ref, lambda *a, **k: apply(ref(), *a, **k)))
 
 
 def _runs_on_accelerator(device: DeviceSpec | None) -> bool:

@@ -30,19 +30,32 @@ def named_module_tensors(
     yield from module.named_parameters(recurse=recurse)
     if not include_buffers:
         return
-    skip = get_non_persistent_buffers(module, recurse=recurse) if remove_non_persistent else set()
+    skip = get_non_persistent_buffers(module, recurse=recurse, fqns=True) if remove_non_persistent else set()
     for name, buf in module.named_buffers(recurse=recurse):
         if name not in skip:
             yield name, buf
 
 
-def get_non_persistent_buffers(module: nn.Module, recurse: bool = False) -> set[str]:
-    """Names of the buffers of ``module`` registered with ``persistent=False`` (dotted when ``recurse``)."""
+def get_non_persistent_buffers(module: nn.Module, recurse: bool = False, fqns: bool = False) -> set[str]:
+    """Names of the buffers of ``module`` registered with ``persistent=False``.
+
+    Args:
+        module: the module.
+        recurse: include the buffers of every submodule.
+        fqns: with ``recurse``, dotted names relative to ``module`` (``"0.cache"``); else bare
+            buffer names (``"cache"``), as the ecosystem's callers expect.
+
+    Returns:
+        A new set (the module's own bookkeeping is never changed).
+    """
+    names = set(module._non_persistent_buffers_set)
     if not recurse:
-        return set(module._non_persistent_buffers_set)
-    names: set[str] = set()
+        return names
     for prefix, sub in module.named_modules():
-        names.update(f"{prefix}.{n}" if prefix else n for n in sub._non_persistent_buffers_set)
+        if fqns:
+            names.update(f"{prefix}.{n}" if prefix else n for n in sub._non_persistent_buffers_set)
+        else:
+            names.update(sub._non_persistent_buffers_set)
     return names
 
 
