@@ -26,14 +26,13 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ._checkpoint import TensorInfo, _read_header, load_torch_file, read_tensor_infos, resolve_checkpoint_files
+from ._rank_zero_reader import RankZeroReader
 from ._devices import accelerator_type
 from ._sizes import to_dtype
 from ._tensors import device_of, find_tied_parameters, get_submodule_and_name, retie_parameters
@@ -147,65 +146,6 @@ def _load_one(
     else:
         device = old.device if old is not None and old.device.type != "meta" else comm
     set_module_tensor_to_device(model, entry.name, device, value=value, dtype=target, clear_cache=False)
-
-
-class RankZeroReader:
-    """Reads a checkpoint's tensors by name as flat ``uint8`` CPU buffers, one at a time (rank 0 only).
-
-    Files are resolved and validated by :mod:`bigmodel._checkpoint`.  Safetensors data is
-    read with ``readinto`` at the offsets of the file's header rather than through a
-    memory map, so the process holds one tensor at a time instead of the file's pages;
-    torch pickles come from :func:`bigmodel._checkpoint.load_torch_file` (memory-mapped zip files).
-
-    Args:
-        checkpoint: a weights file, a ``*.index.json`` or a folder.
-
-    Raises:
-        FileNotFoundError / ValueError: from :func:`bigmodel._checkpoint.resolve_checkpoint_files`.
-    """
-
-    def __init__(self, checkpoint: str | os.PathLike) -> None:
-        self._pickles: dict[Path, dict[str, torch.Tensor]] = {}
-        self.infos: dict[str, TensorInfo] = read_tensor_infos(resolve_checkpoint_files(checkpoint), self._pickles)
-        self._headers: dict[Path, tuple[dict[str, dict], int]] = {}
-
-    def manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
-        """``(name, shape, dtype, bytes)`` of every tensor, in file order."""
-        return [(i.name, i.shape, i.dtype, math.prod(i.shape) * i.dtype.itemsize) for i in self.infos.values()]
-
-    def read_bytes(self, name: str) -> torch.Tensor:
-        """The raw bytes of tensor ``name`` (C order) as a 1-D ``uint8`` CPU tensor.
-
-        Raises:
-            ValueError: the file is shorter than its header says (names the file and tensor).
-        """
-        info = self.infos[name]
-        if not info.is_safetensors:
-            return self._pickled(info).contiguous().reshape(-1).view(torch.uint8)
-        if info.file not in self._headers:
-            self._headers = {info.file: _read_header(info.file)}  # files are read in order: keep one header
-        entries, data_start = self._headers[info.file]
-        start, end = entries[name]["data_offsets"]
-        buf = torch.empty(end - start, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
-        with open(info.file, "rb") as handle:
-            handle.seek(data_start + start)
-            done = 0
-            while done < end - start:
-                got = handle.readinto(view[done:])
-                if not got:
-                    raise ValueError(f"{info.file} is truncated at tensor {name!r}; download or save it again.")
-                done += got
-        return buf
-
-    def _pickled(self, info: TensorInfo) -> torch.Tensor:
-        if info.file not in self._pickles:
-            self._pickles = {info.file: load_torch_file(info.file)}  # non-zip pickles: one file in RAM at a time
-        return self._pickles[info.file][info.name]
-
-    def close(self) -> None:
-        self._pickles.clear()
-        self._headers.clear()
 
 
 def _require_process_group() -> None:
