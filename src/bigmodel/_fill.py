@@ -9,13 +9,14 @@ budgets; the model is read only for its structure, lazily, when a module is spli
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ._sizes import _planned_size
+from ._tensors import name_prefixes
 
 logger = logging.getLogger("bigmodel._planning")
 
@@ -59,7 +60,7 @@ class PlanContext:
             for name in group:
                 if name != counted:
                     ctx.canonical[name] = counted
-                for prefix in _prefixes(name):
+                for prefix in name_prefixes(name):
                     ctx.groups_under.setdefault(prefix, set()).add(index)
         return ctx
 
@@ -135,15 +136,6 @@ def scan_model(
     return sizes, [group for group in groups if len(group) > 1]
 
 
-def _prefixes(name: str) -> Iterator[str]:
-    """``"a.b.c"`` → ``"a.b.c"``, ``"a.b"``, ``"a"``, ``""``."""
-    while True:
-        yield name
-        if not name:
-            return
-        name = name.rpartition(".")[0] if "." in name else ""
-
-
 def largest_layer(ctx: PlanContext, unit: Unit) -> int:
     """Bytes of the largest layer under ``unit``: a leaf or no-split module, or the own tensors of a split one.
 
@@ -212,7 +204,7 @@ def shortfall(ctx: PlanContext, placed: Placed) -> float:
 
 
 def _pending_owner(name: str, pending: Mapping[str, Unit]) -> Unit | None:
-    for prefix in _prefixes(name):
+    for prefix in name_prefixes(name):
         unit = pending.get(prefix)
         if unit is not None:
             return unit

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._devices import DeviceSpec, accelerator_count, accelerator_memory_info, device_sort_key, normalize_device
-from ._sizes import compute_module_sizes, convert_file_size_to_int
+from ._sizes import compute_module_sizes, convert_file_size_to_int, get_max_layer_size
 
 logger = logging.getLogger(__name__)
 
@@ -83,21 +83,6 @@ def get_max_memory(max_memory: Mapping[DeviceSpec, int | str] | None = None) -> 
     return dict(sorted(budgets.items(), key=lambda item: device_sort_key(item[0])))
 
 
-def _largest_layer(model: nn.Module, sizes: Mapping[str, int], no_split: set[str]) -> int:
-    """Bytes of the largest module that planning places whole: a leaf or a no-split module."""
-    largest = 0
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    while stack:
-        name, module = stack.pop()
-        children = list(module.named_children())
-        if not children or type(module).__name__ in no_split:
-            largest = max(largest, sizes.get(name, 0))
-            continue
-        prefix = f"{name}." if name else ""
-        stack.extend((prefix + child, sub) for child, sub in children)
-    return largest
-
-
 def get_balanced_memory(
     model: nn.Module,
     max_memory: Mapping[DeviceSpec, int | str] | None = None,
@@ -144,7 +129,8 @@ def get_balanced_memory(
     sharing = accelerators[1:] if low_zero else accelerators
     no_split = no_split_module_classes or ()
     no_split = {no_split} if isinstance(no_split, str) else set(no_split)
-    slack = int(_BALANCE_SLACK_LAYERS * _largest_layer(model, sizes, no_split))
+    largest_layer, _ = get_max_layer_size([("", model)], sizes, sorted(no_split))
+    slack = int(_BALANCE_SLACK_LAYERS * largest_layer)
     share = -(-sizes[""] // len(sharing)) + slack
     for device in sharing[:-1]:
         budgets[device] = min(budgets[device], share)

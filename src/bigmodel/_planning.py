@@ -27,6 +27,7 @@ from torch import nn
 from ._devices import DeviceSpec, normalize_device
 from ._fill import PlanContext, Placed, fill_devices, largest_layer, offload_need, scan_model, shortfall
 from ._memory import get_balanced_memory, get_max_memory
+from ._tensors import name_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -236,12 +237,7 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, object]) -> None
 
 
 def _covered(name: str, keys: set[str]) -> bool:
-    while True:
-        if name in keys:
-            return True
-        if not name:
-            return False
-        name = name.rpartition(".")[0] if "." in name else ""
+    return any(prefix in keys for prefix in name_prefixes(name))
 
 
 def resolve_device_map(

@@ -200,19 +200,25 @@ def retie_parameters(model: nn.Module, tied_params: Sequence[Sequence[str]]) -> 
             mod._parameters[attr] = source
 
 
+def name_prefixes(name: str) -> Iterator[str]:
+    """``"a.b.c"`` → ``"a.b.c"``, ``"a.b"``, ``"a"``, ``""``: the keys that can cover a name in a device map."""
+    while True:
+        yield name
+        if not name:
+            return
+        name = name.rpartition(".")[0]
+
+
 def device_of(name: str, device_map: Mapping[str, object]) -> object:
     """The device a device map gives to ``name`` (longest matching prefix; ``""`` covers everything).
 
     Raises:
         KeyError: if no entry of the map covers ``name``.
     """
-    candidate = name
-    while True:
-        if candidate in device_map:
-            return device_map[candidate]
-        if not candidate:
-            raise KeyError(f"{name!r} is not covered by the device map; add it or one of its parent modules.")
-        candidate = candidate.rpartition(".")[0]
+    for prefix in name_prefixes(name):
+        if prefix in device_map:
+            return device_map[prefix]
+    raise KeyError(f"{name!r} is not covered by the device map; add it or one of its parent modules.")
 
 
 def check_tied_parameters_on_same_device(tied_params: Sequence[Sequence[str]], device_map: Mapping[str, object]) -> None:
