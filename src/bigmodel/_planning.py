@@ -25,7 +25,15 @@ import torch
 from torch import nn
 
 from ._devices import DeviceSpec, normalize_device
-from ._fill import PlanContext, Placed, fill_devices, largest_layer, offload_need, scan_model, shortfall
+from ._fill import (
+    Placed,
+    PlanContext,
+    fill_devices,
+    largest_layer,
+    offload_need,
+    scan_model,
+    shortfall,
+)
 from ._memory import get_balanced_memory, get_max_memory
 from ._tensors import name_prefixes
 
