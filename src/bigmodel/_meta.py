@@ -19,6 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ._devices import DeviceSpec
+from ._tensors import as_parameter
 
 _ORIGINAL_REGISTER_PARAMETER = nn.Module.register_parameter
 _ORIGINAL_REGISTER_BUFFER = nn.Module.register_buffer
@@ -50,14 +51,6 @@ def _same_device(tensor: torch.Tensor, device: torch.device) -> bool:
     return device.index is None or tensor.device.index == device.index
 
 
-def _moved_parameter(param: nn.Parameter, device: torch.device) -> nn.Parameter:
-    if type(param) is nn.Parameter:
-        return nn.Parameter(param.data.to(device), requires_grad=param.requires_grad)
-    # Parameter subclasses (quantised params) carry their settings in __dict__.
-    extra = {k: v for k, v in param.__dict__.items() if k != "requires_grad"}
-    return type(param)(param.data.to(device), requires_grad=param.requires_grad, **extra)
-
-
 def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
     _ORIGINAL_REGISTER_PARAMETER(module, name, param)
     stack = _stack()
@@ -65,7 +58,7 @@ def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None
         return
     device = stack[-1].device
     if not _same_device(param, device):
-        module._parameters[name] = _moved_parameter(param, device)
+        module._parameters[name] = as_parameter(param.data.to(device), param)
 
 
 def _register_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:

@@ -83,7 +83,8 @@ def _cast(value: torch.Tensor, old: torch.Tensor | None, dtype: torch.dtype | No
     return value
 
 
-def _as_parameter(value: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
+def as_parameter(value: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
+    """A Parameter of ``old``'s class (quantised subclasses keep their ``__dict__`` settings) around ``value``."""
     requires_grad = old.requires_grad and value.is_floating_point()
     if type(old) is nn.Parameter:
         return nn.Parameter(value, requires_grad=requires_grad)
@@ -157,7 +158,7 @@ def set_module_tensor_to_device(
         param = old if isinstance(old, nn.Parameter) else nn.Parameter(old)
         if new is old:
             return
-        submodule._parameters[name] = _as_parameter(new.data if isinstance(new, nn.Parameter) else new, param)
+        submodule._parameters[name] = as_parameter(new.data if isinstance(new, nn.Parameter) else new, param)
     if fp16_statistics is not None:
         submodule.SCB = fp16_statistics.to(target)
     if tied_params_map is not None and value is not None and value.device.type != "meta":
