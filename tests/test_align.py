@@ -25,7 +25,7 @@ from bigmodel import (
     remove_hook_from_module,
     remove_hook_from_submodules,
 )
-from bigmodel._moving import find_device, send_to_device
+from bigmodel._moving import find_device, send_inputs_to_device, send_to_device
 
 
 class Block(nn.Module):
@@ -90,6 +90,42 @@ def test_send_to_device_keeps_container_types_and_skip_keys():
     assert moved["s"] == "text"
     assert find_device(moved["p"]) == torch.device("meta")
     assert send_to_device(t, "cpu") is t  # already there: no copy
+
+
+def test_send_inputs_to_device_returns_inputs_as_is_when_nothing_moves():
+    t = torch.ones(2)
+    cpu = torch.device("cpu")
+    args, kwargs = (t, (t, None), 3), {"mask": t, "flag": True, "cache": object()}
+    moved_args, moved_kwargs = send_inputs_to_device(args, kwargs, cpu)
+    assert moved_args is args and moved_kwargs is kwargs  # no walk result rebuilt
+
+    # Anything that must move, or a container send_to_device rebuilds, takes the full path.
+    moved_args, moved_kwargs = send_inputs_to_device((t, [t]), {"mask": t}, torch.device("meta"))
+    assert moved_args[0].is_meta and moved_args[1][0].is_meta and moved_kwargs["mask"].is_meta
+    listed = [t]
+    assert send_inputs_to_device((listed,), {}, cpu)[0][0] is not listed  # a list is copied, as before
+    assert send_inputs_to_device((), {"d": {"a": t}}, cpu)[1]["d"]["a"] is t
+
+    class Movable:
+        def __init__(self) -> None:
+            self.calls = []
+
+        def to(self, device):
+            self.calls.append(device)
+            return self
+
+    movable = Movable()
+    send_inputs_to_device((), {"m": movable}, cpu)
+    assert movable.calls == [cpu]  # objects with .to() are still asked to move
+
+
+def test_send_inputs_to_device_leaves_skip_keys_alone():
+    t = torch.ones(2)
+    args, kwargs = send_inputs_to_device((t,), {"cache": t, "x": t}, torch.device("meta"), skip_keys="cache")
+    assert args[0].is_meta and kwargs["x"].is_meta and kwargs["cache"] is t
+    kwargs = {"cache": t}
+    assert send_inputs_to_device((), kwargs, torch.device("meta"), skip_keys=["cache"])[1] is kwargs
+    assert send_inputs_to_device((t,), {}, None)[0][0] is t
 
 
 def test_send_to_device_model_output():

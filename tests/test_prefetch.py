@@ -199,7 +199,12 @@ def test_pages_resident_asks_the_kernel():
 
     if _prefetch._MINCORE is None:
         pytest.skip("no mincore on this platform")
-    untouched = torch.empty(64 * 2**20, dtype=torch.uint8)  # large: its own fresh mapping, pages not faulted in
+    import mmap
+
+    # A fresh anonymous mapping: its pages are not in RAM until written (torch.empty may reuse
+    # heap memory that earlier tests already faulted in).
+    region = mmap.mmap(-1, 64 * 2**20)
+    untouched = torch.frombuffer(region, dtype=torch.uint8)
     assert not _prefetch.pages_resident(untouched)
     untouched[: 32 * 2**20].fill_(1)
     assert not _prefetch.pages_resident(untouched)  # the end is still not in RAM
@@ -224,6 +229,36 @@ def test_cpu_read_ahead_only_for_pages_not_in_ram(offloaded, monkeypatch, reside
             assert torch.equal(model(X), expected)
     _prefetch._executor().submit(lambda: None).result()  # let the last read ahead finish
     assert (touched == []) is resident  # nothing to read when every page is in RAM
+
+
+def test_resident_modules_are_rechecked_only_every_few_turns(offloaded, monkeypatch):
+    from bigmodel import _prefetch
+
+    model, expected = offloaded
+    asked: list[int] = []
+    resident = [True]
+    touched: list[int] = []
+    monkeypatch.setattr(_prefetch, "pages_resident", lambda tensor: asked.append(tensor.numel()) or resident[0])
+    monkeypatch.setattr(_prefetch, "touch_pages", lambda tensor: touched.append(tensor.numel()))
+    prefetcher = enable_prefetch(model, depth=1, min_bytes=0)
+    forwards = 2 * _prefetch.RECHECK_EVERY + 1
+    with torch.no_grad():
+        for _ in range(forwards):
+            assert torch.equal(model(X), expected)
+    # 5 modules x 2 tensors; every module comes up once per forward after the recording one.
+    turns = 5 * (forwards - 1) - 1  # the first module of the recording forward is not read ahead
+    checks = len(asked) // 2
+    assert 0 < checks <= -(-turns // _prefetch.RECHECK_EVERY) + 5
+    assert touched == []
+
+    # Evicted pages are noticed at the next check; invalidate() forgets what was trusted.
+    resident[0] = False
+    prefetcher.invalidate()
+    asked.clear()
+    with torch.no_grad():
+        assert torch.equal(model(X), expected)
+    _prefetch._executor().submit(lambda: None).result()
+    assert len(asked) >= 4 and touched  # the modules are asked again (first tensor: not in RAM), then read ahead
 
 
 def test_cpu_take_does_not_wait_for_an_unfinished_read_ahead():

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from ._devices import torch_device
 from ._hook_registry import ModelHook, iter_hooks
-from ._moving import find_device, send_to_device
+from ._moving import find_device, send_inputs_to_device, send_to_device
 from ._tensors import (
     get_non_persistent_buffers,
     get_submodule_and_name,
@@ -126,7 +126,7 @@ def _make_slot(hook: AlignDevicesHook, name: str, tensor: torch.Tensor, is_param
 
 
 def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    sub, attr = get_submodule_and_name(module, name)
+    sub, attr = get_submodule_and_name(module, name) if "." in name else (module, name)
     if attr in sub._parameters:
         sub._parameters[attr] = tensor  # type: ignore[assignment]
     else:
@@ -306,10 +306,7 @@ class AlignDevicesHook(ModelHook):
             self.load_weights(module, staged)
             if self.prefetcher is not None:
                 self.prefetcher.schedule_after(self)
-        return (
-            send_to_device(args, self.device),
-            send_to_device(kwargs, self.device, skip_keys=self.skip_keys),
-        )
+        return send_inputs_to_device(args, kwargs, self.device, self.skip_keys)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.offload:

@@ -221,8 +221,14 @@ def _make_forward(module: nn.Module, signature_source: Callable) -> Callable:
         # only paid by programs that compile.
         if torch.compiler.is_compiling():
             return _run_hooked(hook, mod, *_eager_calls(), args, kwargs)
-        try:
-            return _run_hooked(hook, mod, _call_pre, _call_post, args, kwargs)
+        try:  # _run_hooked with the eager calls inlined (this runs once per module per forward)
+            args, kwargs = hook.pre_forward(mod, *args, **kwargs)
+            if hook.no_grad:
+                with torch.no_grad():
+                    output = mod._old_forward(*args, **kwargs)
+            else:
+                output = mod._old_forward(*args, **kwargs)
+            return hook.post_forward(mod, output)
         except BaseException:
             _forward_failed(hook, mod)
             raise

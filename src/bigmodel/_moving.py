@@ -48,12 +48,61 @@ def send_to_device(
     return _move(obj, device, non_blocking, _skip_set(skip_keys))
 
 
+_LEAVES = (str, bytes, int, float, bool, type(None))
+
+
+def _settled(obj: Any, device: torch.device) -> bool:
+    """True if :func:`_move` would give ``obj`` back unchanged: no tensor to move, no ``.to`` to call,
+    no container to rebuild (only plain tuples are looked into; any other container says False)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device == device or obj.device.type == "meta"
+    if isinstance(obj, _LEAVES):
+        return True
+    if type(obj) is tuple:
+        for item in obj:
+            if not _settled(item, device):
+                return False
+        return True
+    if isinstance(obj, (tuple, list, Mapping)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        return False
+    return isinstance(obj, nn.Module) or not callable(getattr(obj, "to", None))
+
+
+def send_inputs_to_device(
+    args: tuple, kwargs: dict, device: torch.device | None, skip_keys: str | Iterable[str] | None = None
+) -> tuple[tuple, dict]:
+    """A forward's ``(args, kwargs)`` on ``device``, like :func:`send_to_device` on each.
+
+    When nothing needs moving (the common case of a CPU execution device and CPU inputs), the
+    same ``args`` and ``kwargs`` objects come back without rebuilding them.
+
+    Args:
+        args: positional inputs (moved without ``skip_keys``).
+        kwargs: keyword inputs; values under ``skip_keys`` (at any depth) are left where they are.
+        device: a :class:`torch.device`; None returns the inputs unchanged.
+        skip_keys: mapping keys never moved.
+
+    Returns:
+        ``(args, kwargs)`` with their tensors on ``device``.
+    """
+    if device is None:
+        return args, kwargs
+    skip = _skip_set(skip_keys)
+    if _settled(args, device):
+        for key, value in kwargs.items():
+            if key not in skip and not _settled(value, device):
+                break
+        else:
+            return args, kwargs
+    return _move(args, device, False, _NO_SKIP), _move(kwargs, device, False, skip)
+
+
 def _move(obj: Any, device: Any, non_blocking: bool, skip: frozenset[str]) -> Any:
     if isinstance(obj, torch.Tensor):
         if obj.device == device or obj.device.type == "meta":  # already there: no .to() call
             return obj
         return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
+    if isinstance(obj, _LEAVES):
         return obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_move(x, device, non_blocking, skip) for x in obj))

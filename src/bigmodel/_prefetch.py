@@ -14,8 +14,8 @@ Staging is one function, ``stage(values, device) -> values``:
   staging touches one byte per page so that the page faults — the disk reads — happen on
   the background thread, ahead of use.  Nothing is copied.  A module whose pages are all in
   RAM already (asked with ``mincore``, on the forward thread) is not handed to the thread at
-  all, and the forward never waits for a read ahead still running: a warm page cache costs
-  no thread hand-offs.
+  all, and is asked about again only every ``RECHECK_EVERY`` turns; the forward never waits
+  for a read ahead still running: a warm page cache costs no thread hand-offs.
 - accelerator execution: by default a plain ``.to(device)`` on the background thread.
   :class:`bigmodel._transfer.DeviceStager` (pinned staging buffer, side-stream copies) is
   the ``stage`` dispatch passes to :func:`enable_prefetch` for accelerators.  ``stage`` may
@@ -49,6 +49,9 @@ PAGE_BYTES = 4096
 # Modules with fewer offloaded bytes are not prefetched: handing them to a thread costs more
 # than reading them (bytes).
 MIN_BYTES = 1 << 20
+# A CPU-executed module whose pages were found in RAM is asked about again (``mincore``) only
+# every this many times it comes up for read-ahead (decode steps run each module once).
+RECHECK_EVERY = 8
 
 StageFn = Callable[[dict[str, torch.Tensor], "torch.device | None"], Any]
 
@@ -166,6 +169,7 @@ class Prefetcher:
         self._bytes: list[int] = []  # offloaded bytes of each hook in the order (read once, while recording)
         self._position: dict[int, int] = {}
         self._pending: dict[int, Future] = {}
+        self._trusted: dict[int, int] = {}  # id(hook) → turns left before its residency is asked again
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
 
     @property
@@ -216,13 +220,27 @@ class Prefetcher:
             if target is None or id(target) in self._pending:
                 continue
             if self.in_place and _on_cpu(target.device):
-                values = self.read(target)
-                if all(pages_resident(value) for value in values.values()):
-                    self._pending[id(target)] = _ready(values)  # in RAM: no thread hand-off, nothing to touch
-                else:
-                    self._pending[id(target)] = _executor().submit(self.stage, values, target.device)
+                self._read_ahead_in_place(target)
             else:
                 self._pending[id(target)] = _executor().submit(self._fetch, self._order[j])
+
+    def _read_ahead_in_place(self, target: Any) -> None:
+        """Fault ``target``'s pages in on the background thread unless they are in RAM already.
+
+        A module found resident is trusted to stay so for its next ``RECHECK_EVERY - 1`` turns
+        (no ``mincore`` calls, no reads): its own forward then reads its values when it runs.
+        Residency only decides whether to read ahead, never which values are used.
+        """
+        key = id(target)
+        turns = self._trusted.get(key, 0)
+        if turns > 0:
+            self._trusted[key] = turns - 1
+            return
+        values = self.read(target)
+        if all(pages_resident(value) for value in values.values()):
+            self._trusted[key] = RECHECK_EVERY - 1  # in RAM: no thread hand-off, nothing to touch
+        else:
+            self._pending[key] = _executor().submit(self.stage, values, target.device)
 
     def _fetch(self, ref: weakref.ref) -> Any:
         hook = ref()
@@ -235,12 +253,7 @@ class Prefetcher:
         for future in self._pending.values():
             future.cancel()
         self._pending.clear()
-
-
-def _ready(values: dict[str, torch.Tensor]) -> Future:
-    future: Future = Future()
-    future.set_result(values)
-    return future
+        self._trusted.clear()
 
 
 def _on_cpu(device: torch.device | None) -> bool:
