@@ -39,8 +39,6 @@ class LayerwiseCastingHook(ModelHook):
         non_blocking: asynchronous casts on accelerators.
     """
 
-    _is_stateful = False
-
     def __init__(self, storage_dtype: torch.dtype, compute_dtype: torch.dtype, non_blocking: bool) -> None:
         self.storage_dtype = storage_dtype
         self.compute_dtype = compute_dtype

@@ -18,6 +18,12 @@ __all__ = [
     "attach_align_device_hook",
     "attach_align_device_hook_on_blocks",
     "attach_layerwise_casting_hooks",
+    "set_module_tensor_to_device",
+    "named_module_tensors",
+    "find_tied_parameters",
+    "PrefixedDataset",
+    "extract_submodules_state_dict",
+    "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
 ]
 
 __getattr__ = lazy_getattr(__name__, __all__)

@@ -5,6 +5,6 @@ from __future__ import annotations
 from bigmodel._exports import lazy_getattr
 from bigmodel.utils import constants, modeling, offload, other
 
-__all__ = [*modeling.__all__, *offload.__all__, *constants.__all__, *other.__all__]
+__all__ = list(dict.fromkeys([*modeling.__all__, *offload.__all__, *constants.__all__, *other.__all__]))
 
 __getattr__ = lazy_getattr(__name__, __all__)

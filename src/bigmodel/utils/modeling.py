@@ -28,6 +28,12 @@ __all__ = [
     "get_state_dict_offloaded_model",
     "has_offloaded_params",
     "align_module_device",
+    "offload_weight",
+    "load_offloaded_weight",
+    "offload_state_dict",
+    "extract_submodules_state_dict",
+    "OffloadedWeightsLoader",
+    "PrefixedDataset",
 ]
 
 __getattr__ = lazy_getattr(__name__, __all__)
