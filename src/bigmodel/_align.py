@@ -360,6 +360,10 @@ def align_module_device(module: nn.Module, execution_device: Any = None) -> Iter
     Args:
         module: the module.
         execution_device: device for the tensors (default: the hook's execution device).
+
+    Raises:
+        ValueError: ``execution_device`` is not a device spec.
+        KeyError: the weights map lacks one of the module's offloaded tensors (names it).
     """
     hook = offload_hook_of(module)
     if hook is None:

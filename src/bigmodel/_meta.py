@@ -111,6 +111,9 @@ def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | No
             every tensor created inside the context (temporaries included) is created on
             ``device`` directly, which is the fastest way to build a model.
 
+    Raises:
+        ValueError: ``device`` is not a device spec, or names an accelerator torch cannot see.
+
     Example::
 
         with init_on_device("meta"):

@@ -152,6 +152,9 @@ def cpu_offload(
 
     Returns:
         The model, hooked.
+
+    Raises:
+        ValueError: ``execution_device`` is not a device spec (names it and the accepted forms).
     """
     _undispatch(model, "cpu_offload")
     device = execution_device if execution_device is not None else _default_device(model)

@@ -189,6 +189,9 @@ def retie_parameters(model: nn.Module, tied_params: Sequence[Sequence[str]]) -> 
 
     Use after loading replaced tied parameters by separate tensors.  Groups whose members
     are all on ``meta`` are left alone.
+
+    Raises:
+        AttributeError: a name of a group is not a submodule path of ``model`` (names it).
     """
     for group in tied_params:
         params = [get_submodule_and_name(model, name) for name in group]
@@ -223,7 +226,11 @@ def device_of(name: str, device_map: Mapping[str, object]) -> object:
 
 
 def check_tied_parameters_on_same_device(tied_params: Sequence[Sequence[str]], device_map: Mapping[str, object]) -> None:
-    """Log a warning for each tied group whose members the device map puts on different devices."""
+    """Log a warning for each tied group whose members the device map puts on different devices.
+
+    Raises:
+        KeyError: a member of a group is not covered by the device map (names it).
+    """
     for group in tied_params:
         devices = {name: device_of(name, device_map) for name in group}
         if len(set(map(str, devices.values()))) > 1:
