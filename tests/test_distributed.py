@@ -337,46 +337,30 @@ def test_tensor_parallel_forward_equals_single_process(two_ranks):
         torch.testing.assert_close(result["logits"], want, rtol=1e-5, atol=1e-5)
 
 
-def test_checkpoint_missing_on_rank0_raises_on_every_rank(two_ranks):
+# Each error case: the exception type every rank raises and fragments its message must hold.
+ERROR_CASES = {
+    "missing_on_rank0": ("FileNotFoundError", ["bigmodel-checkpoint-rank0"]),
+    "keys_disagree": (
+        "ValueError",
+        ["rank 1 has keys rank 0 lacks", "model.layers.2.mlp.down_proj.weight", "same model"],
+    ),
+    "disk_map": ("ValueError", ["rank 0: device_map puts ['lm_head'] on 'disk'", "map them to 'cpu'"]),
+    "read_fails": ("OSError", ["I/O error reading model."]),
+    "strict": ("ValueError", ["missing keys ['model.layers.2.", "strict=False"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_errors_are_raised_on_every_rank(two_ranks, case):
+    """Checkpoint missing on rank 0, ranks disagreeing on keys, disk in the map, a read error
+    on rank 0 mid-transfer, strict missing keys: the same error, named, on every rank."""
     _, _, results = two_ranks
+    want_kind, fragments = ERROR_CASES[case]
     for result in results:
-        kind, message = result["missing_on_rank0"]
-        assert kind == "FileNotFoundError"
-        assert "bigmodel-checkpoint-rank0" in message
-
-
-def test_ranks_disagreeing_on_keys_raise_naming_keys(two_ranks):
-    _, _, results = two_ranks
-    for result in results:
-        kind, message = result["keys_disagree"]
-        assert kind == "ValueError"
-        assert "rank 1 has keys rank 0 lacks" in message
-        assert "model.layers.2.mlp.down_proj.weight" in message
-        assert "same model" in message
-
-
-def test_disk_in_device_map_is_refused_on_every_rank(two_ranks):
-    _, _, results = two_ranks
-    for result in results:
-        kind, message = result["disk_map"]
-        assert kind == "ValueError"
-        assert "rank 0: device_map puts ['lm_head'] on 'disk'" in message and "map them to 'cpu'" in message
-
-
-def test_read_error_on_rank0_mid_transfer_raises_on_every_rank(two_ranks):
-    _, _, results = two_ranks
-    for result in results:
-        kind, message = result["read_fails"]
-        assert kind == "OSError"
-        assert "I/O error reading model." in message
-
-
-def test_strict_names_missing_keys_on_every_rank(two_ranks):
-    _, _, results = two_ranks
-    for result in results:
-        kind, message = result["strict"]
-        assert kind == "ValueError"
-        assert "missing keys ['model.layers.2." in message and "strict=False" in message
+        kind, message = result[case]
+        assert kind == want_kind
+        for fragment in fragments:
+            assert fragment in message, (case, fragment, message)
 
 
 # ----------------------------------------------------------------------------- 4-rank job
