@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bigmodel._exports import lazy_getattr
+from bigmodel.utils import offload
 
 __all__ = [
     "convert_file_size_to_int",
@@ -28,12 +29,7 @@ __all__ = [
     "get_state_dict_offloaded_model",
     "has_offloaded_params",
     "align_module_device",
-    "offload_weight",
-    "load_offloaded_weight",
-    "offload_state_dict",
-    "extract_submodules_state_dict",
-    "OffloadedWeightsLoader",
-    "PrefixedDataset",
+    *offload.__all__,  # accelerate.utils.modeling imports these from its offload module
 ]
 
 __getattr__ = lazy_getattr(__name__, __all__)
