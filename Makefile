@@ -19,6 +19,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 venv: $(BIN)/.installed
 
 test: venv
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: venv

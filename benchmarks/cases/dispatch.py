@@ -24,7 +24,13 @@ import torch
 from .. import fixtures
 from ..measure import dir_bytes, probe, rss_now, touch_file_mmap, touch_tensors
 from ._llama import (
-    empty_llama, input_ids, names_on, plain_llama, resident_tensors, safetensors_names, safetensors_ranges,
+    empty_llama,
+    input_ids,
+    names_on,
+    plain_llama,
+    resident_tensors,
+    safetensors_names,
+    safetensors_ranges,
 )
 from .base import Case, Metric, Metrics
 

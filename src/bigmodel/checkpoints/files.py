@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
-import re
 import struct
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
@@ -31,8 +29,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ._devices import DeviceSpec, torch_device
-from ._tensors import device_of
+from ..core.devices import DeviceSpec, torch_device
+from ..core.tensors import device_of
+from .torch_pickle import load_torch_file
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +189,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self.entries, self._data_start = _read_header(self.path)
+        self.entries, self._data_start = read_header(self.path)
         self._storage: torch.UntypedStorage | None = None
 
     def infos(self) -> dict[str, TensorInfo]:
@@ -230,7 +229,7 @@ class SafetensorsFile:
             yield name, self.tensor(name)
 
 
-def _read_header(path: Path) -> tuple[dict[str, dict], int]:
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
     """Validate ``path`` with safetensors, then return its entries (offset order) and data start (bytes)."""
     try:
         with safe_open(str(path), framework="pt") as handle:
@@ -251,52 +250,6 @@ def _read_header(path: Path) -> tuple[dict[str, dict], int]:
         raise ValueError(f"Checkpoint file {str(path)!r} uses dtypes this torch cannot read: {unknown}; upgrade torch.")
     ordered = dict(sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]))
     return ordered, 8 + length
-
-
-# ---------------------------------------------------------------- torch pickles
-
-
-def load_torch_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Load a torch pickle with ``weights_only=True`` (memory-mapped when it is a zip file).
-
-    Raises:
-        pickle.UnpicklingError: the pickle would need to run code (names the file and the fix).
-        ValueError: the file is corrupted or not a torch checkpoint of tensors.
-    """
-    path = Path(path)
-    mmap = zipfile.is_zipfile(path)
-    try:
-        loaded = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as err:
-        # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module x is blocked".
-        found = re.search(r"GLOBAL \S+", str(err))
-        if found is None:
-            reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
-            raise ValueError(
-                f"Checkpoint file {str(path)!r} is not a readable torch checkpoint "
-                f"({reason.group(1) if reason else 'unpickling failed'}); it may be corrupted: save it again."
-            ) from err
-        raise pickle.UnpicklingError(
-            f"Refusing to load {str(path)!r}: it is not a plain tensor pickle and unpickling it could run code "
-            f"({found.group(0)}). Convert it to .safetensors from a trusted source."
-        ) from err
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError, IndexError, struct.error) as err:
-        # Garbage that is neither a zip nor a pickle fails deep inside torch.load (e.g. KeyError).
-        reason = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-        raise ValueError(
-            f"Checkpoint file {str(path)!r} is not a readable torch checkpoint ({reason}); save it again."
-        ) from err
-    if not isinstance(loaded, Mapping):
-        raise ValueError(f"Checkpoint file {str(path)!r} holds a {type(loaded).__name__}, not a state dict of tensors.")
-    tensors = {}
-    for name, value in loaded.items():
-        if not isinstance(name, str):
-            logger.warning("%s: skipping key %r, which is a %s and not a tensor name.", path, name, type(name).__name__)
-        elif isinstance(value, torch.Tensor):
-            tensors[name] = value
-        else:
-            logger.warning("%s: skipping %r, which is a %s and not a tensor.", path, name, type(value).__name__)
-    return tensors
 
 
 # ---------------------------------------------------------------- reading

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .._devices import normalize_device
-from .._sizes import convert_file_size_to_int, to_dtype
+from ..core.devices import normalize_device
+from ..core.sizes import convert_file_size_to_int, to_dtype
 
 DTYPE_CHOICES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn", "int4": "int4"}
 

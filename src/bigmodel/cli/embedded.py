@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ._meta import init_empty_weights
+from ..core.meta import init_empty_weights
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +123,8 @@ def convert_gguf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     """
     from safetensors.torch import save_file
 
-    from ._hf import require_transformers
-    from ._tensors import find_tied_parameters
+    from ..core.tensors import find_tied_parameters
+    from ..integrations.hf import require_transformers
 
     transformers = require_transformers()
     try:

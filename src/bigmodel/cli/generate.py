@@ -139,7 +139,7 @@ def check_against_in_memory(
     Returns:
         A :class:`LogitsCheck`.
     """
-    from ._hf import require_transformers
+    from ..integrations.hf import require_transformers
 
     transformers = require_transformers()
     if dtype is None:

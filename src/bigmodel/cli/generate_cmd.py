@@ -14,7 +14,10 @@ import psutil
 import torch
 from torch import nn
 
-from .. import _embedded, _generate, _hf, _summary
+from ..integrations import hf as _hf
+from . import embedded as _embedded
+from . import generate as _generate
+from . import summary as _summary
 from ._format import human_bytes, key_values
 from ._options import dtype_label, parse_dtype, parse_max_memory
 from .inspect_cmds import budget_text, usage_table

@@ -6,11 +6,18 @@ import argparse
 import json
 import logging
 
-from .. import _hf, _summary
-from .._devices import device_sort_key
-from .._sizes import compute_module_sizes, get_max_layer_size
+from ..core.devices import device_sort_key
+from ..core.sizes import compute_module_sizes, get_max_layer_size
+from ..integrations import hf as _hf
+from . import summary as _summary
 from ._format import human_bytes, key_values, table
-from ._options import DTYPE_CHOICES, dtype_label, parse_dtype, parse_max_memory, parse_size_dtype
+from ._options import (
+    DTYPE_CHOICES,
+    dtype_label,
+    parse_dtype,
+    parse_max_memory,
+    parse_size_dtype,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._devices import device_sort_key
-from ._hook_registry import TIED_PARAMS
-from ._sizes import compute_module_sizes
-from ._tensors import device_of, find_tied_parameters
+from ..core.devices import device_sort_key
+from ..core.sizes import compute_module_sizes
+from ..core.tensors import device_of, find_tied_parameters
+from ..hooks.registry import TIED_PARAMS
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def cpu_budget_for_disk_share(
     Raises:
         ValueError: ``share`` outside [0, 1].
     """
-    from ._planning import infer_auto_device_map
+    from ..planning.device_map import infer_auto_device_map
 
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"share={share} is not a fraction; pass a number between 0 and 1.")
@@ -163,7 +163,7 @@ def cpu_budget_for_disk_share(
         return usage["disk"].layers if "disk" in usage else 0
 
     low, high = -1, 2 * compute_module_sizes(model, dtype=dtype)[""]
-    planning_log = logging.getLogger("bigmodel._planning")
+    planning_log = logging.getLogger("bigmodel.planning.device_map")
     quiet = logging.Filter("no such logger")  # the probes below are not plans the user asked for
     planning_log.addFilter(quiet)
     try:

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ._devices import DeviceSpec
-from ._tensors import as_parameter
+from .devices import DeviceSpec
+from .tensors import as_parameter
 
 _ORIGINAL_REGISTER_PARAMETER = nn.Module.register_parameter
 _ORIGINAL_REGISTER_BUFFER = nn.Module.register_buffer
@@ -119,7 +119,7 @@ def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | No
         with init_on_device("meta"):
             model = nn.Linear(100_000, 100_000)  # no memory used
     """
-    from ._devices import torch_device
+    from .devices import torch_device
 
     target = torch_device(device) if not isinstance(device, torch.device) else device
     placement = _Placement(target, bool(include_buffers))

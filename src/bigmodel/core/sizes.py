@@ -136,7 +136,7 @@ def tensor_nbytes(tensor: torch.Tensor, dtype: torch.dtype | str | None = None) 
     return int(tensor.numel() * size + 0.9999) if size < 1 else tensor.numel() * int(size)
 
 
-def _planned_size(
+def planned_size(
     tensor: torch.Tensor, name: str, dtype: torch.dtype | str | None, special_dtypes: Mapping[str, object] | None
 ) -> int:
     if special_dtypes and name in special_dtypes:
@@ -188,7 +188,7 @@ def compute_module_sizes(
                 continue
             seen.add(id(tensor))
             full = f"{module_name}.{tensor_name}" if module_name else tensor_name
-            size = _planned_size(tensor, full, dtype, special_dtypes)
+            size = planned_size(tensor, full, dtype, special_dtypes)
             sizes[full] = sizes.get(full, 0) + size
             prefix = module_name
             while True:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ._devices import DeviceSpec, empty_cache, torch_device
+from .devices import DeviceSpec, empty_cache, torch_device
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def set_module_tensor_to_device(
     old = submodule._parameters[name] if name in submodule._parameters else submodule._buffers[name]
     target = torch_device(device) if not isinstance(device, torch.device) else device
     if dtype is not None and not isinstance(dtype, torch.dtype):
-        from ._sizes import to_dtype
+        from .sizes import to_dtype
 
         dtype = to_dtype(dtype)
 

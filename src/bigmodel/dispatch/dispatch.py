@@ -2,9 +2,9 @@
 
 ``dispatch_model`` is the general path (accelerators + CPU + disk); ``load_checkpoint_and_dispatch``
 is the one-call path: plan → load → dispatch.  The whole-model shortcuts (``cpu_offload``,
-``disk_offload``, ``cpu_offload_with_hook``) live in :mod:`bigmodel._offload_entry` and are
+``disk_offload``, ``cpu_offload_with_hook``) live in :mod:`bigmodel.dispatch.whole_model` and are
 re-exported here; what a dispatch leaves on a model (move guards, re-dispatch) in
-:mod:`bigmodel._redispatch`.
+:mod:`bigmodel.dispatch.redispatch`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._align import attach_align_device_hook_on_blocks
-from ._align_hook import offload_hook_of
-from ._devices import DeviceSpec, is_accelerator, normalize_device
-from ._offload import OffloadedWeightsLoader, extract_submodules_state_dict
-from ._offload_entry import cpu_offload, cpu_offload_with_hook, disk_offload, ensure_offloaded, read_by_hooks
-from ._pinned import pin_tensors
-from ._redispatch import _enable_prefetch, _guard_moves, _runs_on_accelerator, _undispatch
-from ._tensors import find_tied_parameters, get_submodule_and_name, retie_parameters
+from ..core.devices import DeviceSpec, is_accelerator, normalize_device
+from ..core.tensors import (
+    find_tied_parameters,
+    get_submodule_and_name,
+    retie_parameters,
+)
+from ..hooks.align import attach_align_device_hook_on_blocks
+from ..hooks.align_hook import offload_hook_of
+from ..offload.storage import OffloadedWeightsLoader, extract_submodules_state_dict
+from ..transfer.pinned import pin_tensors
+from .redispatch import (
+    _enable_prefetch,
+    _guard_moves,
+    _runs_on_accelerator,
+    _undispatch,
+)
+from .whole_model import (
+    cpu_offload,
+    cpu_offload_with_hook,
+    disk_offload,
+    ensure_offloaded,
+    read_by_hooks,
+)
 
 __all__ = [
     "cpu_offload",
@@ -119,9 +134,9 @@ def dispatch_model(
         force_hooks: attach hooks even when the map has a single device.
 
     When the main device is an accelerator, the CPU part's values are pinned once
-    (:func:`~bigmodel._pinned.pin_tensors`; ``BIGMODEL_PIN_MEMORY=0`` opts out) and offloaded
+    (:func:`~bigmodel.transfer.pinned.pin_tensors`; ``BIGMODEL_PIN_MEMORY=0`` opts out) and offloaded
     modules are prefetched onto the device on a side stream, disk values through a bounded pinned
-    staging buffer (:class:`~bigmodel._transfer.DeviceStager`).  On the CPU nothing is copied.
+    staging buffer (:class:`~bigmodel.transfer.copies.DeviceStager`).  On the CPU nothing is copied.
 
     Returns:
         The model, with ``model.hf_device_map`` set.
@@ -134,7 +149,7 @@ def dispatch_model(
             ``offload_dir``'s index lacks (or describes with another shape/dtype) tensors that are
             on ``meta`` in the model.
     """
-    from ._planning import check_device_map
+    from ..planning.device_map import check_device_map
 
     check_device_map(model, device_map)
     devices = {normalize_device(d) if not isinstance(d, str) or d not in ("cpu", "disk", "meta") else d
@@ -219,8 +234,8 @@ def load_checkpoint_and_dispatch(
     Raises:
         ValueError: an unknown string map (lists the accepted ones), or disk parts without ``offload_folder``.
     """
-    from ._loading import load_checkpoint_in_model
-    from ._planning import resolve_device_map
+    from ..loading.loader import load_checkpoint_in_model
+    from ..planning.device_map import resolve_device_map
 
     if no_split_module_classes is None:
         no_split_module_classes = list(getattr(model, "_no_split_modules", None) or []) or None

@@ -17,7 +17,7 @@ Staging is one function, ``stage(values, device) -> values``:
   all, and is asked about again only every ``RECHECK_EVERY`` turns; the forward never waits
   for a read ahead still running: a warm page cache costs no thread hand-offs.
 - accelerator execution: by default a plain ``.to(device)`` on the background thread.
-  :class:`bigmodel._transfer.DeviceStager` (pinned staging buffer, side-stream copies) is
+  :class:`bigmodel.transfer.copies.DeviceStager` (pinned staging buffer, side-stream copies) is
   the ``stage`` dispatch passes to :func:`enable_prefetch` for accelerators.  ``stage`` may
   return a dict or an object with ``wait() -> dict`` (called on the consuming thread before use).
 
@@ -281,14 +281,14 @@ def enable_prefetch(
     Args:
         model: a model with offloading AlignDevicesHooks attached.
         depth: modules staged ahead (default: ``$BIGMODEL_PREFETCH_DEPTH`` or 1; 0 disables; at most 2).
-        stage: staging function (default :func:`stage`); :mod:`bigmodel._transfer` supplies the
+        stage: staging function (default :func:`stage`); :mod:`bigmodel.transfer.copies` supplies the
             pinned-memory, side-stream one for accelerators.
         min_bytes: modules with fewer offloaded bytes are not prefetched.
 
     Returns:
         The prefetcher, or None when disabled or nothing is offloaded.
     """
-    from ._align_hook import offload_hook_of
+    from ..hooks.align_hook import offload_hook_of
 
     depth = _configured_depth(depth)
     hooks = [hook for module in model.modules() if (hook := offload_hook_of(module)) is not None]

@@ -16,11 +16,11 @@ from typing import Any
 
 from torch import nn
 
-from ._align_hook import has_offloaded_params
-from ._devices import DeviceSpec, is_accelerator
-from ._hook_registry import TIED_PARAMS, patch_attribute, remove_hook_from_submodules
-from ._prefetch import enable_prefetch
-from ._transfer import DeviceStager
+from ..core.devices import DeviceSpec, is_accelerator
+from ..hooks.align_hook import has_offloaded_params
+from ..hooks.registry import TIED_PARAMS, patch_attribute, remove_hook_from_submodules
+from ..transfer.copies import DeviceStager
+from .prefetch import enable_prefetch
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _guard_moves(model: nn.Module, tied: list[list[str]]) -> None:
 
 def _runs_on_accelerator(device: DeviceSpec | None) -> bool:
     """True when forwards run on an accelerator: CPU-held weights are then pinned once, and
-    offloaded values reach the device through :class:`~bigmodel._transfer.DeviceStager`
+    offloaded values reach the device through :class:`~bigmodel.transfer.copies.DeviceStager`
     (side-stream copies; disk values through its pinned staging buffer)."""
     return device is not None and device != "disk" and is_accelerator(device)
 

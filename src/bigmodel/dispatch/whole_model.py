@@ -17,14 +17,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._align import CpuOffload, PinnedCpuOffload, UserCpuOffloadHook, attach_align_device_hook, default_execution_device
-from ._align_hook import AlignDevicesHook
-from ._devices import DeviceSpec
-from ._hook_registry import add_hook_to_module
-from ._offload import OffloadedWeightsLoader, dat_path, dtype_name, load_offload_index, offload_state_dict, parse_dtype
-from ._pinned import pin_tensors
-from ._redispatch import _enable_prefetch, _guard_moves, _runs_on_accelerator, _undispatch
-from ._tensors import find_tied_parameters
+from ..core.devices import DeviceSpec
+from ..core.tensors import find_tied_parameters
+from ..hooks.align import attach_align_device_hook, default_execution_device
+from ..hooks.align_hook import AlignDevicesHook
+from ..hooks.cpu_offload import CpuOffload, PinnedCpuOffload, UserCpuOffloadHook
+from ..hooks.registry import add_hook_to_module
+from ..offload.storage import (
+    OffloadedWeightsLoader,
+    dat_path,
+    dtype_name,
+    load_offload_index,
+    offload_state_dict,
+    parse_dtype,
+)
+from ..transfer.pinned import pin_tensors
+from .redispatch import (
+    _enable_prefetch,
+    _guard_moves,
+    _runs_on_accelerator,
+    _undispatch,
+)
 
 logger = logging.getLogger(__name__)
 

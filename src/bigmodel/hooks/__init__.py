@@ -1,4 +1,7 @@
-"""Compatibility path `accelerate.hooks` (re-exports only)."""
+"""Hooks: the registry, the device-alignment hook, attaching it along a map, layerwise casting.
+
+This package is also the compatibility path `accelerate.hooks`: its public names are re-exported here.
+"""
 
 from __future__ import annotations
 

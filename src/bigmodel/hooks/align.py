@@ -1,8 +1,8 @@
-"""Attaching device-alignment hooks to a model, ``CpuOffload`` and ``align_module_device``.
+"""Attaching device-alignment hooks to a model, and ``align_module_device``.
 
-The hook itself lives in :mod:`bigmodel._align_hook`; this module decides which module gets
-which hook (per module, per block of a device map) and holds the whole-model offload hooks
-used by ``cpu_offload_with_hook`` (``CpuOffload``, and ``PinnedCpuOffload`` towards an accelerator).
+The hook itself lives in :mod:`bigmodel.hooks.align_hook`; this module decides which module gets
+which hook (per module, per block of a device map).  The whole-model hooks of
+``cpu_offload_with_hook`` are in :mod:`bigmodel.hooks.cpu_offload`.
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._align_hook import AlignDevicesHook, OffloadedParameter, has_offloaded_params, offload_hook_of
-from ._devices import accelerator_count, accelerator_type
-from ._hook_registry import ModelHook, add_hook_to_module, remove_hook_from_module
-from ._moving import own_parameters_moved, send_to_device
-from ._pinned import pin_tensors
-from ._tensors import named_module_tensors
-from ._transfer import CopyStream
+from ..core.devices import accelerator_count, accelerator_type
+from ..core.tensors import named_module_tensors
+from .align_hook import (
+    AlignDevicesHook,
+    OffloadedParameter,
+    has_offloaded_params,
+    offload_hook_of,
+)
+from .moving import own_parameters_moved
+from .registry import ModelHook, add_hook_to_module, remove_hook_from_module  # noqa: F401
 
 __all__ = [
     "AlignDevicesHook",
-    "CpuOffload",
     "OffloadedParameter",
-    "PinnedCpuOffload",
-    "UserCpuOffloadHook",
     "align_module_device",
     "attach_align_device_hook",
     "attach_align_device_hook_on_blocks",
@@ -47,97 +47,9 @@ def default_execution_device() -> torch.device:
 def _prefixed(weights_map: Mapping[str, torch.Tensor] | None, module_name: str) -> Mapping[str, torch.Tensor] | None:
     if weights_map is None:
         return None
-    from ._offload import PrefixedDataset
+    from ..offload.storage import PrefixedDataset
 
     return PrefixedDataset(weights_map, f"{module_name}." if module_name else "")
-
-
-class CpuOffload(ModelHook):
-    """Moves the whole module to ``execution_device`` at its forward; it stays there until offloaded.
-
-    Args:
-        execution_device: where the forward runs (default: the first accelerator, else the CPU).
-        prev_module_hook: a :class:`UserCpuOffloadHook` whose model is sent back to the CPU
-            when this module's forward starts (chains of models run one after another).
-    """
-
-    def __init__(self, execution_device: Any = None, prev_module_hook: UserCpuOffloadHook | None = None) -> None:
-        self.execution_device = execution_device if execution_device is not None else default_execution_device()
-        self.prev_module_hook = prev_module_hook
-
-    def init_hook(self, module: nn.Module) -> nn.Module:
-        return module.to("cpu")
-
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        if self.prev_module_hook is not None:
-            self.prev_module_hook.offload()
-        module.to(self.execution_device)
-        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
-
-
-def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return dict([*module.named_parameters(), *module.named_buffers()])
-
-
-class PinnedCpuOffload(CpuOffload):
-    """:class:`CpuOffload` towards an accelerator: the CPU copy of the model is pinned once and reused.
-
-    Offloading copies the device values back into the same pinned tensors (changes made on the
-    device are kept); the forward's move to the device is a side-stream copy from pinned memory
-    (:class:`~bigmodel._transfer.CopyStream`) that the device's current stream waits for.  The
-    pinned copy stays allocated while the model is on the device (``BIGMODEL_PIN_MEMORY=0``
-    turns pinning off; the CPU copy is then pageable but still kept).
-    """
-
-    def __init__(self, execution_device: Any = None, prev_module_hook: UserCpuOffloadHook | None = None) -> None:
-        super().__init__(execution_device, prev_module_hook)
-        self._host: dict[str, torch.Tensor] = {}
-        self._copies: CopyStream | None = None
-
-    def init_hook(self, module: nn.Module) -> nn.Module:  # also what UserCpuOffloadHook.offload() runs
-        tensors = _own_tensors(module)
-        if set(tensors) != set(self._host):  # first call, or the module gained/lost tensors
-            module.to("cpu")
-            tensors = _own_tensors(module)
-            self._host = pin_tensors({name: t.detach() for name, t in tensors.items()})
-            for name, tensor in tensors.items():
-                tensor.data = self._host[name]
-            return module
-        for name, tensor in tensors.items():
-            host = self._host[name]
-            if tensor.data_ptr() != host.data_ptr():
-                host.copy_(tensor.detach())  # device → pinned host (blocking): changes made on the device stay
-                tensor.data = host
-        return module
-
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        if self.prev_module_hook is not None:
-            self.prev_module_hook.offload()
-        if self._copies is None:
-            self._copies = CopyStream(self.execution_device)
-        device = self._copies.device
-        tensors = _own_tensors(module)
-        moved = self._copies.copy({n: t.detach() for n, t in tensors.items() if t.device != device}).wait()
-        for name, value in moved.items():
-            tensors[name].data = value
-        return send_to_device(args, device), send_to_device(kwargs, device)
-
-
-class UserCpuOffloadHook:
-    """Handle returned by ``cpu_offload_with_hook``: ``offload()`` sends the model back to the CPU,
-    ``remove()`` removes the hook."""
-
-    def __init__(self, model: nn.Module, hook: ModelHook) -> None:
-        self.model = model
-        self.hook = hook
-
-    def offload(self) -> None:
-        """Move the model back to the CPU (it comes back to the device at its next forward)."""
-        self.hook.init_hook(self.model)
-
-    def remove(self) -> None:
-        """Remove the hook from the model (the model stays where it is)."""
-        remove_hook_from_module(self.model)
 
 
 def _is_preloaded(module: nn.Module, preload_module_classes: Sequence[str] | None) -> bool:
@@ -387,7 +299,7 @@ def align_module_device(module: nn.Module, execution_device: Any = None) -> Iter
 
 
 def _store_changes(module: nn.Module, hook: AlignDevicesHook, values: Mapping[str, torch.Tensor]) -> None:
-    from ._tensors import get_submodule_and_name
+    from ..core.tensors import get_submodule_and_name
 
     for name, old in values.items():
         sub, attr = get_submodule_and_name(module, name)

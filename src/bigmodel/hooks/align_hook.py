@@ -26,15 +26,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ._devices import torch_device
-from ._hook_registry import ModelHook, iter_hooks
-from ._moving import find_device, send_inputs_to_device, send_to_device
-from ._tensors import (
+from ..core.devices import torch_device
+from ..core.tensors import (
     get_non_persistent_buffers,
     get_submodule_and_name,
     named_module_tensors,
     set_module_tensor_to_device,
 )
+from .moving import find_device, send_inputs_to_device, send_to_device
+from .registry import ModelHook, iter_hooks
 
 logger = logging.getLogger(__name__)
 

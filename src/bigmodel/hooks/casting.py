@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ._hook_registry import ModelHook, add_hook_to_module
+from .registry import ModelHook, add_hook_to_module
 
 # Layers whose weights are safe to store in a low-precision dtype and cast up per forward.
 SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING = (

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._devices import torch_device
-
+from ..core.devices import torch_device
 
 _NO_SKIP: frozenset[str] = frozenset()
 

@@ -320,6 +320,6 @@ def remove_hook_from_submodules(module: nn.Module) -> None:
         remove_hook_from_module(child, recurse=True)
     remove_hook_from_module(module)
     if tied:
-        from ._tensors import retie_parameters
+        from ..core.tensors import retie_parameters
 
         retie_parameters(module, tied)

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._devices import normalize_device
-from ._meta import init_empty_weights
-from ._sizes import compute_module_sizes, get_max_layer_size, to_dtype
+from ..core.devices import normalize_device
+from ..core.meta import init_empty_weights
+from ..core.sizes import compute_module_sizes, get_max_layer_size, to_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +207,8 @@ def plan_device_map(
     Raises:
         ValueError: an unknown strategy name (lists the accepted ones).
     """
-    from ._memory import get_balanced_memory, get_max_memory
-    from ._planning import infer_auto_device_map
+    from ..planning.device_map import infer_auto_device_map
+    from ..planning.memory import get_balanced_memory, get_max_memory
 
     if not isinstance(device_map, str):
         return {name: normalize_device(device) for name, device in device_map.items()}
@@ -278,8 +278,8 @@ def load_pretrained(
         ValueError: unknown dtype or device map; the map offloads to disk and no
             ``offload_folder`` is given (says how large the model and its largest layer are).
     """
-    from ._checkpoint import resolve_checkpoint_files
-    from ._dispatch import load_checkpoint_and_dispatch
+    from ..checkpoints.files import resolve_checkpoint_files
+    from ..dispatch.dispatch import load_checkpoint_and_dispatch
 
     folder = resolve_model_folder(path)
     resolve_checkpoint_files(folder)  # fail before building when there are no weights

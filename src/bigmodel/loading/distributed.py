@@ -20,7 +20,6 @@ Transport: gloo sends CPU buffers; nccl-like backends send buffers on the curren
 from __future__ import annotations
 
 import builtins
-import hashlib
 import logging
 import math
 import os
@@ -32,11 +31,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ._rank_zero_reader import RankZeroReader
-from ._devices import accelerator_type
-from ._sizes import to_dtype
-from ._tensors import device_of, find_tied_parameters, get_submodule_and_name, retie_parameters
-from ._tensors import loaded_dtype, set_module_tensor_to_device
+from ..core.devices import accelerator_type
+from ..core.sizes import to_dtype
+from ..core.tensors import (
+    device_of,
+    find_tied_parameters,
+    get_submodule_and_name,
+    loaded_dtype,
+    retie_parameters,
+    set_module_tensor_to_device,
+)
+from .rank_agreement import agree, model_keys
+from .rank_zero_reader import RankZeroReader
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +105,8 @@ def load_checkpoint_broadcast(
     """
     _require_process_group()
     dtype = to_dtype(dtype) if isinstance(dtype, str) else dtype
-    keys = _model_keys(model)
-    _agree(keys, _check_arguments(device_map, dtype))
+    keys = model_keys(model)
+    agree(keys, _check_arguments(device_map, dtype))
     options = _Options(device_map or None, dtype, tuple(keep_in_fp32_modules or ()), full_state_dict)
     reader, entries = _announce(checkpoint)
     try:
@@ -170,61 +176,6 @@ def _check_arguments(device_map: Mapping[str, object] | None, dtype: object) -> 
     if disk:
         return f"device_map puts {disk} on 'disk', which broadcast_from_rank0 does not support; map them to 'cpu'."
     return None
-
-
-def _layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], str | None]:
-    """Global shape (a DTensor's ``.shape`` is global) and, for DTensors, mesh shape and placements."""
-    if not isinstance(tensor, DTensor):
-        return tuple(tensor.shape), None
-    return tuple(tensor.shape), f"{tuple(tensor.device_mesh.shape)} {tuple(tensor.placements)}"
-
-
-def _model_keys(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str | None]]:
-    """State-dict names (tied names included) → (global shape, DTensor layout or None)."""
-    keys = {name: _layout(p) for name, p in model.named_parameters(remove_duplicate=False)}
-    for prefix, module in model.named_modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                keys[f"{prefix}.{name}" if prefix else name] = _layout(buf)
-    return keys
-
-
-def _agree(keys: Mapping[str, tuple], local_error: str | None) -> None:
-    """Raise on every rank if any rank has a local error or other keys, shapes or DTensor layouts."""
-    signature = sorted(keys.items())
-    digest = hashlib.sha256(repr(signature).encode()).hexdigest()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (digest, local_error))
-    errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(gathered) if err]
-    if errors:
-        raise ValueError("; ".join(errors))
-    if len({d for d, _ in gathered}) == 1:
-        return
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, signature)
-    raise ValueError(_describe_disagreement([dict(s) for s in everyone]))
-
-
-def _describe_disagreement(per_rank: list[dict[str, tuple]], limit: int = 10) -> str:
-    reference = per_rank[0]
-    parts = []
-    for rank, keys in enumerate(per_rank[1:], start=1):
-        extra = sorted(set(keys) - set(reference))
-        missing = sorted(set(reference) - set(keys))
-        shapes = sorted(k for k in set(keys) & set(reference) if keys[k] != reference[k])
-        if extra:
-            parts.append(f"rank {rank} has keys rank 0 lacks: {extra[:limit]}")
-        if missing:
-            parts.append(f"rank {rank} lacks keys of rank 0: {missing[:limit]}")
-        if shapes:
-            parts.append(
-                f"rank {rank} has other shapes or layouts for {[(k, keys[k], reference[k]) for k in shapes[:limit]]} "
-                "((shape, layout) on that rank, then on rank 0)"
-            )
-    return (
-        "The ranks' models disagree: " + "; ".join(parts) + ". Build the same model (same config) on every rank "
-        "before loading with broadcast_from_rank0=True."
-    )
 
 
 def _announce(checkpoint: str | os.PathLike) -> tuple[RankZeroReader | None, list[_Entry]]:

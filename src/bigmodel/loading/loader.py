@@ -24,12 +24,23 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._checkpoint import TensorInfo, iter_checkpoint_tensors, read_tensor_infos, resolve_checkpoint_files
-from ._devices import DeviceSpec, normalize_device, torch_device
-from ._offload import OffloadWriter, dat_path, load_offloaded_weight
-from ._progress import ByteProgress
-from ._sizes import to_dtype
-from ._tensors import device_of, find_tied_parameters, loaded_dtype, retie_parameters, set_module_tensor_to_device
+from ..checkpoints.files import (
+    TensorInfo,
+    iter_checkpoint_tensors,
+    read_tensor_infos,
+    resolve_checkpoint_files,
+)
+from ..core.devices import DeviceSpec, normalize_device, torch_device
+from ..core.progress import ByteProgress
+from ..core.sizes import to_dtype
+from ..core.tensors import (
+    device_of,
+    find_tied_parameters,
+    loaded_dtype,
+    retie_parameters,
+    set_module_tensor_to_device,
+)
+from ..offload.storage import OffloadWriter, dat_path, load_offloaded_weight
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +111,7 @@ def load_checkpoint_in_model(
         PermissionError: the offload folder is not writable.
     """
     if broadcast_from_rank0:
-        from ._distributed import load_checkpoint_broadcast
+        from .distributed import load_checkpoint_broadcast
 
         return load_checkpoint_broadcast(
             model, checkpoint, device_map=device_map, dtype=dtype,
@@ -234,7 +245,7 @@ def _dtype_for(
     dtype: torch.dtype | None,
     keep_in_fp32: Sequence[str],
 ) -> torch.dtype:
-    """The dtype a tensor is stored in (see :func:`bigmodel._tensors.loaded_dtype`).
+    """The dtype a tensor is stored in (see :func:`bigmodel.core.tensors.loaded_dtype`).
 
     Tensors placed in memory take the model's floating dtype, as ``set_module_tensor_to_device``
     does; tensors mapped to disk keep the checkpoint's (so a safetensors file is used in place),

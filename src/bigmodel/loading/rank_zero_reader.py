@@ -8,22 +8,28 @@ from pathlib import Path
 
 import torch
 
-from ._checkpoint import TensorInfo, _read_header, load_torch_file, read_tensor_infos, resolve_checkpoint_files
+from ..checkpoints.files import (
+    TensorInfo,
+    load_torch_file,
+    read_header,
+    read_tensor_infos,
+    resolve_checkpoint_files,
+)
 
 
 class RankZeroReader:
     """Reads a checkpoint's tensors by name as flat ``uint8`` CPU buffers, one at a time (rank 0 only).
 
-    Files are resolved and validated by :mod:`bigmodel._checkpoint`.  Safetensors data is
+    Files are resolved and validated by :mod:`bigmodel.checkpoints.files`.  Safetensors data is
     read with ``readinto`` at the offsets of the file's header rather than through a
     memory map, so the process holds one tensor at a time instead of the file's pages;
-    torch pickles come from :func:`bigmodel._checkpoint.load_torch_file` (memory-mapped zip files).
+    torch pickles come from :func:`bigmodel.checkpoints.files.load_torch_file` (memory-mapped zip files).
 
     Args:
         checkpoint: a weights file, a ``*.index.json`` or a folder.
 
     Raises:
-        FileNotFoundError / ValueError: from :func:`bigmodel._checkpoint.resolve_checkpoint_files`.
+        FileNotFoundError / ValueError: from :func:`bigmodel.checkpoints.files.resolve_checkpoint_files`.
     """
 
     def __init__(self, checkpoint: str | os.PathLike) -> None:
@@ -45,7 +51,7 @@ class RankZeroReader:
         if not info.is_safetensors:
             return self._pickled(info).contiguous().reshape(-1).view(torch.uint8)
         if info.file not in self._headers:
-            self._headers = {info.file: _read_header(info.file)}  # files are read in order: keep one header
+            self._headers = {info.file: read_header(info.file)}  # files are read in order: keep one header
         entries, data_start = self._headers[info.file]
         start, end = entries[name]["data_offsets"]
         buf = torch.empty(end - start, dtype=torch.uint8)

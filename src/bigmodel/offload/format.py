@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._checkpoint import SafetensorsFile
+from ..checkpoints.files import SafetensorsFile
 
 INDEX_NAME = "index.json"
 

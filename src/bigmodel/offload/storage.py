@@ -1,6 +1,6 @@
 """The offload folder: writing ``index.json`` + raw ``.dat`` files, and a read-only Mapping over it.
 
-The format and the reading of one tensor are in :mod:`bigmodel._offload_format` (re-exported
+The format and the reading of one tensor are in :mod:`bigmodel.offload.format` (re-exported
 here).  Writes are atomic: ``.dat`` files go through a temporary name; before they replace
 older files of the same names, those names are dropped from ``index.json``; the merged index
 is written last.
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ._checkpoint import SafetensorsFile
-from ._devices import DeviceSpec, torch_device
-from ._offload_format import (
+from ..checkpoints.files import SafetensorsFile
+from ..core.devices import DeviceSpec, torch_device
+from .format import (
     INDEX_NAME,
     _read_safetensors_entry,
     _safetensors_path,

@@ -8,7 +8,7 @@ parameters travel as one bundle.  When something ends up offloaded, the executio
 device (the first accelerator used, else the cpu) keeps room to bring back the largest
 offloaded layer: the plan is redone with that room reserved (see :func:`_plan`).
 
-Sizes and ties come from one walk over the model (:func:`bigmodel._fill.scan_model`,
+Sizes and ties come from one walk over the model (:func:`bigmodel.planning.fill.scan_model`,
 the same numbers as :func:`bigmodel.compute_module_sizes`); children are listed lazily,
 only for modules that get split, so the experts inside a no-split decoder layer of a
 mixture-of-experts model are sized but never planned one by one.
@@ -24,8 +24,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ._devices import DeviceSpec, normalize_device
-from ._fill import (
+from ..core.devices import DeviceSpec, normalize_device
+from ..core.tensors import name_prefixes
+from .fill import (
     Placed,
     PlanContext,
     fill_devices,
@@ -34,8 +35,7 @@ from ._fill import (
     scan_model,
     shortfall,
 )
-from ._memory import get_balanced_memory, get_max_memory
-from ._tensors import name_prefixes
+from .memory import get_balanced_memory, get_max_memory
 
 logger = logging.getLogger(__name__)
 

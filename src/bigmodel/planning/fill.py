@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._sizes import _planned_size
-from ._tensors import name_prefixes
+from ..core.sizes import planned_size
+from ..core.tensors import name_prefixes
 
-logger = logging.getLogger("bigmodel._planning")
+logger = logging.getLogger("bigmodel.planning.device_map")
 
 
 @dataclass(eq=False, slots=True)
@@ -126,7 +126,7 @@ def scan_model(
                         tied.setdefault(id(tensor), [seen]).append(full)
                     continue
                 first_name[id(tensor)] = full
-                size = sizes[full] = _planned_size(tensor, full, dtype, special_dtypes)
+                size = sizes[full] = planned_size(tensor, full, dtype, special_dtypes)
                 sizes[name] = sizes.get(name, 0) + size
         stack.extend((prefix + child, sub, name) for child, sub in reversed(module._modules.items()) if sub is not None)
     for name, parent in reversed(order[1:]):  # children before parents: each module adds itself to its parent once

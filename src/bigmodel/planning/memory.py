@@ -15,8 +15,18 @@ import psutil
 import torch
 from torch import nn
 
-from ._devices import DeviceSpec, accelerator_count, accelerator_memory_info, device_sort_key, normalize_device
-from ._sizes import compute_module_sizes, convert_file_size_to_int, get_max_layer_size
+from ..core.devices import (
+    DeviceSpec,
+    accelerator_count,
+    accelerator_memory_info,
+    device_sort_key,
+    normalize_device,
+)
+from ..core.sizes import (
+    compute_module_sizes,
+    convert_file_size_to_int,
+    get_max_layer_size,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -4,12 +4,12 @@
   waits on that event (``PendingCopy.wait``), the host never waits on the whole device.
 - :class:`DeviceStager` — the prefetcher's staging function for an accelerator: pinned values
   are copied directly, pageable ones (memory-mapped disk weights) go through a bounded pinned
-  :class:`~bigmodel._pinned.StagingBuffer` first.
+  :class:`~bigmodel.transfer.pinned.StagingBuffer` first.
 
 Everything goes through :mod:`torch.accelerator`, :class:`torch.Stream` and
-:class:`torch.Event`; the backend is :func:`bigmodel._devices.accelerator_type`.  On a machine
+:class:`torch.Event`; the backend is :func:`bigmodel.core.devices.accelerator_type`.  On a machine
 without an accelerator (or for a ``cpu`` target) the same interface runs synchronously with no
-stream.  Pinned memory itself is :mod:`bigmodel._pinned`.
+stream.  Pinned memory itself is :mod:`bigmodel.transfer.pinned`.
 
 Tensors cross the bus in their storage dtype: nothing here casts (fp8 and bf16 stay fp8 and
 bf16; a layerwise-casting hook upcasts on the device, after the copy).
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ._devices import DeviceSpec, accelerator_type, torch_device
-from ._pinned import StagingBuffer, _align, _nbytes, _same_tensor_key, pin_memory_enabled
-from ._sizes import convert_file_size_to_int
+from ..core.devices import DeviceSpec, accelerator_type, torch_device
+from ..core.sizes import convert_file_size_to_int
+from .pinned import StagingBuffer, _align, _nbytes, _same_tensor_key, pin_memory_enabled
 
 logger = logging.getLogger(__name__)
 

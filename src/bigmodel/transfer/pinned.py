@@ -7,10 +7,10 @@
   are read into, on a reader thread, just before they are copied to the device; its memory is
   reused as a ring, never allocated per step.
 
-Whether memory is pinned depends on :func:`bigmodel._devices.accelerator_type` only (no backend
+Whether memory is pinned depends on :func:`bigmodel.core.devices.accelerator_type` only (no backend
 named here).  On a machine without an accelerator pinning is the identity and the staging
 buffer uses ordinary memory.  Nothing here casts: tensors keep their storage dtype.
-The copies themselves (side streams, events) are in :mod:`bigmodel._transfer`.
+The copies themselves (side streams, events) are in :mod:`bigmodel.transfer.copies`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ._devices import accelerator_type
-from ._sizes import convert_file_size_to_int
+from ..core.devices import accelerator_type
+from ..core.sizes import convert_file_size_to_int
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class StagedBatch:
         """Give the region back; with ``after``, only once that copy has read it.
 
         Args:
-            after: the copy that reads these tensors: a :class:`bigmodel._transfer.PendingCopy`
+            after: the copy that reads these tensors: a :class:`bigmodel.transfer.copies.PendingCopy`
                 (its ``event`` is used) or a :class:`torch.Event`.  The region is reused only when
                 it has completed; the wait happens on the thread that needs the space, never on
                 the device as a whole.  None: the region is free at once (the caller is done).

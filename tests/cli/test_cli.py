@@ -13,15 +13,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import bigmodel  # noqa: E402
-from bigmodel._hf import empty_model  # noqa: E402
-from bigmodel._tensors import device_of  # noqa: E402
-from bigmodel.cli.main import main  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _tiny_hf import LAYERS, copy_without_tokenizer, write_tiny_llama  # noqa: E402
 
-DATA = Path(__file__).parent / "data"
+import bigmodel  # noqa: E402
+from bigmodel.cli.main import main  # noqa: E402
+from bigmodel.core.tensors import device_of  # noqa: E402
+from bigmodel.integrations.hf import empty_model  # noqa: E402
+
+DATA = Path(__file__).parents[1] / "data"
 LLAMA_405B = DATA / "llama-3.1-405b"
 MIXTRAL = DATA / "mixtral-8x22b"
 

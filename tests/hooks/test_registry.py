@@ -10,7 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from bigmodel import ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module, remove_hook_from_submodules
+from bigmodel import (
+    ModelHook,
+    SequentialHook,
+    add_hook_to_module,
+    remove_hook_from_module,
+    remove_hook_from_submodules,
+)
 
 
 class AddOne(ModelHook):

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from bigmodel import load_state_dict
-from bigmodel._checkpoint import (
+from bigmodel.checkpoints.files import (
     SafetensorsFile,
     iter_checkpoint_tensors,
     read_tensor_infos,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from bigmodel import align_module_device, dispatch_model, disk_offload
-from bigmodel._prefetch import Prefetcher, enable_prefetch, stage, touch_pages
+from bigmodel import align_module_device, disk_offload, dispatch_model
+from bigmodel.dispatch.prefetch import Prefetcher, enable_prefetch, stage, touch_pages
 
 
 class Chain(nn.Module):
@@ -195,7 +195,7 @@ def test_prefetcher_read_errors_surface_on_take():
 
 
 def test_pages_resident_asks_the_kernel():
-    from bigmodel import _prefetch
+    from bigmodel.dispatch import prefetch as _prefetch
 
     if _prefetch._MINCORE is None:
         pytest.skip("no mincore on this platform")
@@ -216,7 +216,7 @@ def test_pages_resident_asks_the_kernel():
 
 @pytest.mark.parametrize("resident", [True, False])
 def test_cpu_read_ahead_only_for_pages_not_in_ram(offloaded, monkeypatch, resident):
-    from bigmodel import _prefetch
+    from bigmodel.dispatch import prefetch as _prefetch
 
     model, expected = offloaded
     touched: list[int] = []
@@ -232,7 +232,7 @@ def test_cpu_read_ahead_only_for_pages_not_in_ram(offloaded, monkeypatch, reside
 
 
 def test_resident_modules_are_rechecked_only_every_few_turns(offloaded, monkeypatch):
-    from bigmodel import _prefetch
+    from bigmodel.dispatch import prefetch as _prefetch
 
     model, expected = offloaded
     asked: list[int] = []

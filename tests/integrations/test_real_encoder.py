@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigmodel import infer_auto_device_map, init_empty_weights, load_checkpoint_and_dispatch
+from bigmodel import (
+    infer_auto_device_map,
+    init_empty_weights,
+    load_checkpoint_and_dispatch,
+)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

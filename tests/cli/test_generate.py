@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,17 +9,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bigmodel._generate import (  # noqa: E402
+from _tiny_hf import write_tiny_llama  # noqa: E402
+
+from bigmodel.cli.generate import (  # noqa: E402
     check_against_in_memory,
     encode_prompt,
     forward_logits,
     generate,
     quiet_transformers,
 )
-from bigmodel._hf import load_pretrained, load_tokenizer  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_hf import write_tiny_llama  # noqa: E402
+from bigmodel.integrations.hf import load_pretrained, load_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from bigmodel import (  # noqa: E402
     cpu_offload,
-    dispatch_model,
     disk_offload,
+    dispatch_model,
     init_empty_weights,
     load_checkpoint_and_dispatch,
     remove_hook_from_submodules,
@@ -74,9 +74,9 @@ def test_llama_offloaded_logits_and_generate(kind, llama, tmp_path):
 
 def smollm2_folder():
     try:
-        from bigmodel._embedded import embedded_model_folder
+        from bigmodel.cli.embedded import embedded_model_folder
     except ImportError as err:  # pragma: no cover - the CLI helper's module is missing
-        pytest.skip(f"bigmodel._embedded is not available ({err})")
+        pytest.skip(f"bigmodel.cli.embedded is not available ({err})")
     try:
         return embedded_model_folder()
     except (FileNotFoundError, ImportError) as err:

@@ -9,8 +9,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bigmodel import OffloadedWeightsLoader, init_empty_weights, load_checkpoint_in_model
-from bigmodel._offload import OffloadWriter
+from bigmodel import (
+    OffloadedWeightsLoader,
+    init_empty_weights,
+    load_checkpoint_in_model,
+)
+from bigmodel.offload.storage import OffloadWriter
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 FORMATS = ["safetensors", "sharded", "bin", "sharded_bin", "folder"]
@@ -283,9 +287,9 @@ def test_truncated_shard_places_nothing(tmp_path):
 
 def test_broadcast_from_rank0_hands_off(tmp_path, monkeypatch):
     seen = {}
-    fake = types.ModuleType("bigmodel._distributed")
+    fake = types.ModuleType("bigmodel.loading.distributed")
     fake.load_checkpoint_broadcast = lambda model, checkpoint, **kw: seen.update(kw, checkpoint=checkpoint)
-    monkeypatch.setitem(sys.modules, "bigmodel._distributed", fake)
+    monkeypatch.setitem(sys.modules, "bigmodel.loading.distributed", fake)
     load_checkpoint_in_model(_meta_net(), "ckpt", device_map={"": "cpu"}, dtype=torch.float16, broadcast_from_rank0=True)
     assert seen == {
         "checkpoint": "ckpt",
@@ -340,7 +344,7 @@ def test_bad_dtype_and_device_raise_before_loading(tmp_path):
 
 
 def test_progress_is_quiet_when_disabled_or_not_a_tty(monkeypatch, capsys):
-    from bigmodel import _progress
+    from bigmodel.core import progress as _progress
 
     monkeypatch.setenv(_progress.DISABLE_ENV, "1")
     assert not _progress.progress_enabled()

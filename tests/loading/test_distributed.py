@@ -186,7 +186,7 @@ class _OpenAudit:
 
 
 def _job_two_ranks(rank: int, world: int, ckpt: str, tied_ckpt: str, out: str) -> None:
-    from bigmodel._distributed import load_checkpoint_broadcast
+    from bigmodel.loading.distributed import load_checkpoint_broadcast
 
     # non-zero ranks get a path that does not exist: they must never need the files
     audit = _OpenAudit(os.path.dirname(ckpt))
@@ -196,7 +196,9 @@ def _job_two_ranks(rank: int, world: int, ckpt: str, tied_ckpt: str, out: str) -
 
     audit.active = True
     replicated = _meta_model(_config(tie=True))
-    from bigmodel import load_checkpoint_in_model  # the public path reaches load_checkpoint_broadcast
+    from bigmodel import (
+        load_checkpoint_in_model,  # the public path reaches load_checkpoint_broadcast
+    )
 
     load_checkpoint_in_model(replicated, mine_tied, broadcast_from_rank0=True)
     result["replicated"] = {k: v.detach().clone() for k, v in replicated.state_dict().items()}
@@ -250,7 +252,7 @@ def _job_two_ranks(rank: int, world: int, ckpt: str, tied_ckpt: str, out: str) -
 
 def _load_with_failing_read(rank: int, path: str) -> None:
     """Rank 0's reader fails on the third tensor, after the transfer has started."""
-    from bigmodel import _distributed
+    from bigmodel.loading import distributed as _distributed
 
     original, calls = _distributed.RankZeroReader.read_bytes, []
 
@@ -370,7 +372,7 @@ def _job_four_ranks(rank: int, world: int, ckpt: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from bigmodel._distributed import load_checkpoint_broadcast
+    from bigmodel.loading.distributed import load_checkpoint_broadcast
 
     mine = ckpt if rank == 0 else MISSING
     tp4 = _parallelize(_meta_model(_config()), world)  # 1-D mesh of 4: each rank gets only its shard
@@ -399,7 +401,7 @@ def test_four_ranks_tensor_parallel_from_meta(tmp_path):
 
 
 def test_without_process_group_names_the_fix(tmp_path):
-    from bigmodel._distributed import load_checkpoint_broadcast
+    from bigmodel.loading.distributed import load_checkpoint_broadcast
 
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"init_process_group.*or pass broadcast_from_rank0=False"):
@@ -425,7 +427,7 @@ def _status_kib(field: str) -> int:
 
 
 def _job_memory(rank: int, world: int, ckpt: str, out: str, full_state_dict: bool = True) -> None:
-    from bigmodel._distributed import load_checkpoint_broadcast
+    from bigmodel.loading.distributed import load_checkpoint_broadcast
 
     model = _parallelize(_meta_model(_big_config()), world)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS

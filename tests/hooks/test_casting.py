@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bigmodel import LayerwiseCastingHook, attach_layerwise_casting_hooks, remove_hook_from_submodules
+from bigmodel import (
+    LayerwiseCastingHook,
+    attach_layerwise_casting_hooks,
+    remove_hook_from_submodules,
+)
 from bigmodel.utils.constants import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
 
 

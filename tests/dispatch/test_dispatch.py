@@ -14,8 +14,8 @@ from torch import nn
 from bigmodel import (
     cpu_offload,
     cpu_offload_with_hook,
-    dispatch_model,
     disk_offload,
+    dispatch_model,
     get_state_dict_offloaded_model,
     has_offloaded_params,
     init_empty_weights,
@@ -265,7 +265,7 @@ def test_move_guard_names_no_backend():
     import inspect
     import re
 
-    import bigmodel._redispatch as redispatch
+    import bigmodel.dispatch.redispatch as redispatch
 
     assert not re.search(r"\b(cuda|xpu|npu|mps|hpu|mlu)\b", inspect.getsource(redispatch))
 
@@ -391,7 +391,10 @@ def test_del_releases_the_offload_file_mappings_without_gc(reference, tmp_path):
 @pytest.fixture
 def transfer_calls(monkeypatch):
     """Record the accelerator transfer layer's use by dispatch: pinning and the device stager."""
-    from bigmodel import _align, _dispatch, _offload_entry, _redispatch
+    from bigmodel.dispatch import dispatch as _dispatch
+    from bigmodel.dispatch import redispatch as _redispatch
+    from bigmodel.dispatch import whole_model as _offload_entry
+    from bigmodel.hooks import cpu_offload as _cpu_offload
 
     calls: dict = {"pinned": [], "staged": 0}
     real_pin = _dispatch.pin_tensors
@@ -405,7 +408,7 @@ def transfer_calls(monkeypatch):
             calls["staged"] += 1
             return super().__call__(values, device)
 
-    for module in (_dispatch, _offload_entry, _align):  # every module that pins (PinnedCpuOffload is in _align)
+    for module in (_dispatch, _offload_entry, _cpu_offload):  # every module that pins (PinnedCpuOffload is in cpu_offload)
         monkeypatch.setattr(module, "pin_tensors", pin)
     monkeypatch.setattr(_redispatch, "DeviceStager", Stager)
     return calls
@@ -413,14 +416,16 @@ def transfer_calls(monkeypatch):
 
 def _as_accelerator(monkeypatch) -> None:
     """Make dispatch treat the CPU execution device as an accelerator (the transfer layer is the identity on CPU)."""
-    from bigmodel import _dispatch, _offload_entry, _redispatch
+    from bigmodel.dispatch import dispatch as _dispatch
+    from bigmodel.dispatch import redispatch as _redispatch
+    from bigmodel.dispatch import whole_model as _offload_entry
 
     for module in (_dispatch, _offload_entry, _redispatch):
         monkeypatch.setattr(module, "_runs_on_accelerator", lambda device: device is not None and device != "disk")
 
 
 def test_cpu_execution_never_pins_or_stages(reference, tmp_path, transfer_calls):
-    from bigmodel import _prefetch
+    from bigmodel.dispatch import prefetch as _prefetch
 
     state, expected = reference
     models = [
@@ -472,7 +477,7 @@ def test_whole_model_offload_to_accelerator_pins_and_stages(kind, reference, tmp
 
 
 def test_cpu_offload_with_hook_to_accelerator_pins_once(reference, transfer_calls, monkeypatch):
-    from bigmodel._align import PinnedCpuOffload
+    from bigmodel.hooks.cpu_offload import PinnedCpuOffload
 
     _as_accelerator(monkeypatch)
     state, expected = reference

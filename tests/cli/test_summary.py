@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from torch import nn
 
 from bigmodel import init_empty_weights
-from bigmodel._summary import DeviceUsage, count_layers, cpu_budget_for_disk_share, device_map_usage
+from bigmodel.cli.summary import (
+    DeviceUsage,
+    count_layers,
+    cpu_budget_for_disk_share,
+    device_map_usage,
+)
 
 
 class Block(nn.Module):
@@ -83,11 +87,10 @@ def test_share_must_be_a_fraction() -> None:
 
 def test_tied_model_wholly_on_disk_counts_the_tie_once(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).parent))
     from _tiny_hf import write_tiny_llama
 
     from bigmodel import compute_module_sizes
-    from bigmodel._hf import empty_model, load_pretrained
+    from bigmodel.integrations.hf import empty_model, load_pretrained
 
     folder = write_tiny_llama(tmp_path / "tied", tokenizer=False, tie=True)
     model = load_pretrained(folder, max_memory={"cpu": 0}, offload_folder=tmp_path / "off")

@@ -1,4 +1,4 @@
-"""CPU tests of bigmodel._pinned and bigmodel._transfer: pinning policy, staging ring, copy semantics
+"""CPU tests of bigmodel.transfer.pinned and bigmodel.transfer.copies: pinning policy, staging ring, copy semantics
 and stream ordering.
 
 The stream path is exercised with fake streams/events (monkeypatched backend functions) that record
@@ -13,9 +13,17 @@ import threading
 import pytest
 import torch
 
-from bigmodel import _devices, _pinned, _transfer
-from bigmodel._pinned import PINNED_ARENA_BYTES, StagingBuffer, _plan_arenas, pin_memory_enabled, pin_tensors
-from bigmodel._transfer import CopyStream, DeviceStager, PendingCopy
+from bigmodel.core import devices as _devices
+from bigmodel.transfer import copies as _transfer
+from bigmodel.transfer import pinned as _pinned
+from bigmodel.transfer.copies import CopyStream, DeviceStager, PendingCopy
+from bigmodel.transfer.pinned import (
+    PINNED_ARENA_BYTES,
+    StagingBuffer,
+    _plan_arenas,
+    pin_memory_enabled,
+    pin_tensors,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool]
 
@@ -108,7 +116,7 @@ def test_pin_tensors_falls_back_when_pinning_fails(monkeypatch, caplog):
 
     monkeypatch.setattr(_pinned, "_pinned_arena", refuse)
     tensors = {"a": torch.ones(3)}
-    with caplog.at_level("WARNING", logger="bigmodel._pinned"):
+    with caplog.at_level("WARNING", logger="bigmodel.transfer.pinned"):
         out = pin_tensors(tensors)
     assert out["a"] is tensors["a"]
     assert "BIGMODEL_PIN_MEMORY=0" in caplog.text

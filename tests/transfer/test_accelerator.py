@@ -78,8 +78,8 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def test_pinned_side_stream_copies_keep_dtype_and_values(device):
-    from bigmodel._pinned import pin_tensors
-    from bigmodel._transfer import CopyStream
+    from bigmodel.transfer.copies import CopyStream
+    from bigmodel.transfer.pinned import pin_tensors
 
     tensors = {
         "bf16": torch.randn(256, 256).to(torch.bfloat16),
@@ -102,8 +102,8 @@ def test_pinned_side_stream_copies_keep_dtype_and_values(device):
 
 def test_side_stream_copies_are_ordered_under_load_and_memory_reuse(device):
     """Many copies consumed while the compute stream is busy: no value is read early or overwritten."""
-    from bigmodel._pinned import pin_tensors
-    from bigmodel._transfer import CopyStream
+    from bigmodel.transfer.copies import CopyStream
+    from bigmodel.transfer.pinned import pin_tensors
 
     stream = CopyStream(device)
     sources = pin_tensors({str(i): torch.full((1 << 20,), float(i)) for i in range(24)})
@@ -118,8 +118,8 @@ def test_side_stream_copies_are_ordered_under_load_and_memory_reuse(device):
 
 
 def test_staging_buffer_round_trip_to_device(device):
-    from bigmodel._pinned import StagingBuffer
-    from bigmodel._transfer import CopyStream
+    from bigmodel.transfer.copies import CopyStream
+    from bigmodel.transfer.pinned import StagingBuffer
 
     staging = StagingBuffer("8MiB")
     assert staging.pinned

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-import bigmodel._offload as offload_module
+import bigmodel.offload.storage as offload_module
 from bigmodel import (
     OffloadedWeightsLoader,
     align_module_device,
@@ -46,7 +46,7 @@ from bigmodel import (
     remove_hook_from_submodules,
     set_module_tensor_to_device,
 )
-from bigmodel._moving import send_to_device
+from bigmodel.hooks.moving import send_to_device
 
 
 class Net(nn.Module):

@@ -12,8 +12,8 @@ from bigmodel import (
     infer_auto_device_map,
     init_empty_weights,
 )
-from bigmodel._fill import scan_model
-from bigmodel._planning import STRING_MAPS, resolve_device_map
+from bigmodel.planning.device_map import STRING_MAPS, resolve_device_map
+from bigmodel.planning.fill import scan_model
 
 
 class Block(nn.Module):
@@ -196,7 +196,7 @@ def test_fallback_allocation_fills_a_device_the_next_layer_skips():
 
 
 def test_verbose_logs_through_logging(caplog, capsys):
-    with caplog.at_level(logging.INFO, logger="bigmodel._planning"):
+    with caplog.at_level(logging.INFO, logger="bigmodel.planning.device_map"):
         infer_auto_device_map(Layers(1, 1), {0: 100}, verbose=True)
     assert "Device map: {'': 0}" in caplog.text
     assert capsys.readouterr().out == ""

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from bigmodel import compute_module_sizes, find_tied_parameters, infer_auto_device_map
-from bigmodel._fill import scan_model
+from bigmodel.planning.fill import scan_model
 
 BLOCK_CLASSES = {name: type(name, (nn.Module,), {}) for name in ("BlockA", "BlockB", "BlockC")}
 LEAF = st.one_of(

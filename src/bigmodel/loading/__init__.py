@@ -1,0 +1,1 @@
+"""Loading a checkpoint into a model along a device map, in one process or across torch.distributed ranks."""

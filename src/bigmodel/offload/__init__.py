@@ -1,0 +1,1 @@
+"""Offload storage: the offload folder's format and index, and the loader that serves offloaded weights."""

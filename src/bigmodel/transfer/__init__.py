@@ -1,0 +1,1 @@
+"""Host-to-device transfers: pinned host memory, the staging ring and side-stream copies."""
