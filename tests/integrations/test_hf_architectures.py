@@ -142,6 +142,12 @@ CASES = {
 }  # fmt: skip
 
 
+def _decoder_map(on_disk: str) -> dict[str, str]:
+    """A device map of a 2-layer decoder (``model.*`` + ``lm_head``) with one module on disk."""
+    names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "model.rotary_emb", "lm_head"]
+    return {name: "disk" if name == on_disk else "cpu" for name in names}
+
+
 def _checkpoint_keys(folder: Path) -> set[str]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -197,7 +203,7 @@ def test_cpu_and_disk_is_bit_exact(saved: tuple[Case, Path, Any], tmp_path: Path
     case, folder, reference = saved
     size = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     model = load_pretrained(
-        folder, device_map="sequential", max_memory={"cpu": size // 2}, offload_folder=tmp_path / "off"
+        folder, device_map="sequential", max_memory={"cpu": size * 4 // 5}, offload_folder=tmp_path / "off"
     )
     assert {"cpu", "disk"} <= set(model.hf_device_map.values()), model.hf_device_map
     assert_same_model(model, reference, case.inputs())
@@ -208,6 +214,36 @@ def test_all_on_cpu_is_bit_exact(saved: tuple[Case, Path, Any]) -> None:
     model = load_pretrained(folder, device_map={"": "cpu"})
     assert model.hf_device_map == {"": "cpu"}
     assert_same_model(model, reference, case.inputs())
+
+
+def test_renamed_tensors_on_disk_point_into_the_checkpoint(tmp_path: Path) -> None:
+    """A renamed key keeps bigmodel's in-place disk offload; a fused expert tensor is written once."""
+    neox = write_case(CASES["gpt_neox"], tmp_path / "neox")
+    model = load_pretrained(neox, device_map={"gpt_neox": "cpu", "lm_head": "disk"}, offload_folder=tmp_path / "a")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["index.json"]
+    entry = json.loads((tmp_path / "a" / "index.json").read_text())["lm_head.weight"]
+    assert entry["weight_name"] == "embed_out.weight"
+    assert Path(entry["safetensors_file"]) == (neox / "model.safetensors").resolve()
+    reference = T.AutoModelForCausalLM.from_pretrained(str(neox)).eval()
+    assert_same_model(model, reference, _text())
+    greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(IDS, **greedy), reference.generate(IDS, **greedy))
+
+    moe = write_case(CASES["qwen2_moe"], tmp_path / "moe")
+    load_pretrained(moe, device_map=_decoder_map("model.layers.1"), offload_folder=tmp_path / "b")
+    index = json.loads((tmp_path / "b" / "index.json").read_text())
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert "safetensors_file" not in index[fused] and index[fused]["shape"] == [4, 32, 32]
+    assert index["model.layers.1.mlp.gate.weight"]["weight_name"] == "model.layers.1.mlp.gate.weight"
+
+
+def test_save_pretrained_writes_the_layout_it_was_loaded_from(tmp_path: Path) -> None:
+    """As after from_pretrained, save_pretrained reverts the conversions that were used (gamma/beta kept)."""
+    folder = write_case(CASES["bert"], tmp_path / "model")
+    load_pretrained(folder, device_map={"": "cpu"}).save_pretrained(str(tmp_path / "ours"))
+    T.AutoModelForMaskedLM.from_pretrained(str(folder)).save_pretrained(str(tmp_path / "theirs"))
+    ours, theirs = _checkpoint_keys(tmp_path / "ours"), _checkpoint_keys(tmp_path / "theirs")
+    assert ours == theirs and "bert.embeddings.LayerNorm.gamma" in ours
 
 
 # ---------------------------------------------------------------- dtypes, kept-in-fp32 modules
@@ -248,9 +284,9 @@ def test_strict_fp32_modules_in_bfloat16(tmp_path: Path) -> None:
     folder = write_case(case, tmp_path / "model")
     reference = T.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
     assert reference.state_dict()["model.layers.1.mlp.gate.weight"].dtype == torch.float32
-    model = load_pretrained(folder, device_map={"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
-                                                "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"},
-                            offload_folder=tmp_path / "off", dtype="bfloat16")  # fmt: skip
+    model = load_pretrained(
+        folder, device_map=_decoder_map("model.layers.1"), offload_folder=tmp_path / "off", dtype="bfloat16"
+    )
     assert_same_model(model, reference, case.inputs())
 
 
@@ -305,29 +341,37 @@ def test_tied_weights_follow_transformers(keep: Callable[[str], bool], change: s
 # ---------------------------------------------------------------- what cannot be loaded says so
 
 
-def test_a_class_transformers_does_not_have_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [({}, "has no such model class"), ({"auto_map": {"AutoModelForCausalLM": "modeling_x.LlamaForTimeTravel"}}, "custom code")],
+    ids=["unknown", "custom-code"],
+)
+def test_a_class_transformers_does_not_have_is_named(extra: dict, why: str, tmp_path: Path) -> None:
     folder = write_case(CASES["llama"], tmp_path / "model")
     config = json.loads((folder / "config.json").read_text())
-    config["architectures"] = ["LlamaForTimeTravel"]
+    config.update(extra, architectures=["LlamaForTimeTravel"])
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"LlamaForTimeTravel.*model_class") as info:
+    with pytest.raises(ValueError, match=rf"LlamaForTimeTravel.*{why}.*model_class=") as info:
         load_pretrained(folder, device_map={"": "cpu"})
     assert str(folder) in str(info.value)
 
 
 def test_model_class_picks_another_head(tmp_path: Path) -> None:
-    """A BertForMaskedLM checkpoint loaded as the bare encoder: the head's keys are left out, as transformers does."""
-    case = CASES["bert"]
-    folder = write_case(case, tmp_path / "model")
-    reference = T.BertModel.from_pretrained(str(folder)).eval()
-    model = load_pretrained(folder, device_map={"": "cpu"}, model_class=T.BertModel)
+    """A LlamaForCausalLM checkpoint loaded as the bare decoder: ``model.`` is stripped and the head left out."""
+    folder = write_case(CASES["llama"], tmp_path / "model")
+    reference = T.AutoModel.from_pretrained(str(folder)).eval()
+    assert type(reference) is T.LlamaModel
+    model = load_pretrained(folder, device_map={"": "cpu"}, model_class=T.LlamaModel)
     assert_same_model(model, reference, _text())
-    by_name = load_pretrained(folder, device_map={"": "cpu"}, model_class="AutoModel")
+    by_name = load_pretrained(folder, device_map={"layers.0": "cpu", "layers.1": "disk", "embed_tokens": "cpu",
+                                                  "norm": "cpu", "rotary_emb": "cpu"},
+                              offload_folder=tmp_path / "off", model_class="AutoModel")  # fmt: skip
     assert_same_model(by_name, reference, _text())
 
 
 def test_weights_missing_from_the_checkpoint_are_named(tmp_path: Path) -> None:
-    """transformers would initialise them randomly; bigmodel cannot match that, so it says which and what to do."""
+    """BertModel has a pooler that BertForMaskedLM lacks: transformers would initialise it at random, which
+    bigmodel cannot match, so it says which weights are missing and what to do, before loading anything."""
     folder = write_case(CASES["bert"], tmp_path / "model")
-    with pytest.raises(ValueError, match=r"classifier\.weight.*missing|missing.*classifier\.weight"):
-        load_pretrained(folder, device_map={"": "cpu"}, model_class=T.BertForSequenceClassification)
+    with pytest.raises(ValueError, match=r"pooler\.dense\.bias, pooler\.dense\.weight are missing.*model_class="):
+        load_pretrained(folder, device_map={"": "cpu"}, model_class=T.BertModel)
