@@ -87,13 +87,17 @@ def transformers_conversion(model: nn.Module, infos: Mapping[str, TensorInfo]) -
     expected = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None) or None
     renames: dict[str, str] = {}
+    claimed: dict[str, str] = {}  # model name → the checkpoint key that fills it
+    ignored: set[str] = set()
     groups: dict[str, list[tuple[str, str]]] = {}  # first target name → [(checkpoint key, source pattern)]
     for key in sorted(infos, key=dot_natural_key):  # transformers' order: experts stack as 0, 1, ..., 10
         name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
         if name not in expected and key in expected:  # a rule matched a key that is already right
             name, pattern = rename_source_key(key, [], [], prefix, expected)
         if pattern is None:
-            if name != key:
+            if claimed.setdefault(name, key) != key:  # a second key for one name: transformers keeps the first
+                ignored.add(key)
+            elif name != key:
                 renames[key] = name
         elif name in expected:
             groups.setdefault(name, []).append((key, pattern))
@@ -103,7 +107,7 @@ def transformers_conversion(model: nn.Module, infos: Mapping[str, TensorInfo]) -
         for name, members in groups.items()
     ]
     model._weight_conversions = [t for t in transforms if t.was_used()]
-    return KeyConversion(renames, recipes)
+    return KeyConversion(renames, recipes, frozenset(ignored))
 
 
 def _fuse(template: Any, first_target: str, members: Sequence[tuple[str, str]], model: nn.Module) -> Any:

@@ -47,10 +47,12 @@ class KeyConversion:
     Attributes:
         renames: checkpoint key → model tensor name; keys not listed keep their name.
         recipes: tensors built from several checkpoint keys (a key is in at most one recipe).
+        ignored: checkpoint keys not to load (e.g. a second key for a name another key fills).
     """
 
     renames: Mapping[str, str] = field(default_factory=dict)
     recipes: Sequence[TensorRecipe] = ()
+    ignored: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,8 @@ class ConvertedInfos:
     Attributes:
         infos: model tensor name → dtype/shape (and file, for a renamed tensor: its own).
         built: the names that recipes build (they have no file of their own).
-        shadowed: checkpoint keys left unread because another key fills their model name
-            (the first key in checkpoint order wins; a recipe wins over a renamed key).
+        shadowed: checkpoint keys left unread: ignored ones, and those whose model name another
+            key fills (the first key in checkpoint order wins; a recipe wins over a renamed key).
     """
 
     infos: dict[str, TensorInfo]
@@ -96,7 +98,7 @@ def convert_infos(infos: Mapping[str, TensorInfo], conversion: KeyConversion | N
         if key in consumed:
             continue
         name = conversion.renames.get(key, key)
-        if name in result or name in built:
+        if key in conversion.ignored or name in result or name in built:
             shadowed.add(key)
         else:
             result[name] = info
