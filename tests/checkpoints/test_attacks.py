@@ -304,9 +304,13 @@ def test_offload_folder_is_the_checkpoint_folder(checkpoint, spelling):
     folder = checkpoint.parent
     offload = {"same": folder, "dot_slash": f"{folder}/./", "via_folder": folder}[spelling]
     source = folder if spelling == "via_folder" else checkpoint
-    with pytest.raises(ValueError, match=r"is the checkpoint's folder; bigmodel never writes there"):
+    (folder / "index.json").write_text('{"mine": "not an offload index"}')
+    with pytest.raises(ValueError, match=r"is the checkpoint's folder, and 'index\.json' already exists .* never overwrites"):
         load_checkpoint_in_model(_meta_net(), source, device_map={"": "disk"}, offload_folder=offload)
-    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]
+    assert (folder / "index.json").read_text() == '{"mine": "not an offload index"}'
+    (folder / "index.json").unlink()
+    load_checkpoint_in_model(_meta_net(), source, device_map={"": "disk"}, offload_folder=offload)
+    assert sorted(p.name for p in folder.iterdir()) == ["index.json", "model.safetensors"]  # pointers, no copy
     assert _sha(checkpoint) == digest
 
 

@@ -232,11 +232,12 @@ def test_unwritable_offload_folder(tmp_path):
     assert _all_meta(model)
 
 
-def test_offload_folder_may_not_be_the_checkpoint_folder(tmp_path):
-    path = _save(tmp_path / "ckpt", _state(), "safetensors")
-    with pytest.raises(ValueError, match="checkpoint's folder.*pass another offload_folder"):
-        load_checkpoint_in_model(_meta_net(), path, device_map=MIXED_MAP, offload_folder=tmp_path / "ckpt")
-    assert os.listdir(tmp_path / "ckpt") == ["model.safetensors"]
+def test_offload_folder_may_be_the_checkpoint_folder_and_only_gains_files(tmp_path):
+    path = _save(tmp_path / "ckpt", _state(), "bin")
+    before = path.read_bytes()
+    load_checkpoint_in_model(_meta_net(), path, device_map=MIXED_MAP, offload_folder=tmp_path / "ckpt")
+    assert path.read_bytes() == before
+    assert "index.json" in os.listdir(tmp_path / "ckpt") and "blocks.0.linear.weight.dat" in os.listdir(tmp_path / "ckpt")
 
 
 def test_existing_index_is_merged(tmp_path):

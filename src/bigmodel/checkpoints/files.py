@@ -10,9 +10,8 @@ Formats:
   these views do not depend on the version).
 - torch pickles (``.bin``/``.pt``/``.pth``): ``torch.load(weights_only=True)`` always, with
   ``mmap=True`` for the zip format.  A pickle that needs to run code is refused.
-- a sharded checkpoint's ``*.index.json`` (``{"weight_map": {tensor: shard file}}``), whose
-  shard paths must stay inside the index's folder.
-- a folder holding one index or one weights file (safetensors preferred over pickles).
+- a sharded checkpoint's ``.json`` index and folders (hub cache snapshots included): which
+  files make up a checkpoint is decided in :mod:`bigmodel.checkpoints.resolve`.
 """
 
 from __future__ import annotations
@@ -31,20 +30,17 @@ from safetensors import safe_open
 
 from ..core.devices import DeviceSpec, torch_device
 from ..core.tensors import device_of
+from .resolve import (  # noqa: F401  (resolution lives in .resolve; these names stay importable here)
+    INDEX_SUFFIX,
+    PICKLE_SUFFIXES,
+    SAFETENSORS_SUFFIX,
+    STANDARD_NAMES,
+    resolve_checkpoint_files,
+)
 from .torch_pickle import load_torch_file
 
 logger = logging.getLogger(__name__)
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
-SAFETENSORS_SUFFIX = ".safetensors"
-INDEX_SUFFIX = ".index.json"
-# The names transformers writes; in a folder with several candidates, one of these wins.
-STANDARD_NAMES = (
-    "model.safetensors.index.json",
-    "model.safetensors",
-    "pytorch_model.bin.index.json",
-    "pytorch_model.bin",
-)
 
 # safetensors dtype codes (format spec) → torch dtypes; codes torch lacks are left out.
 _ST_CODES = {
@@ -79,99 +75,6 @@ class TensorInfo:
     @property
     def is_safetensors(self) -> bool:
         return self.file.suffix == SAFETENSORS_SUFFIX
-
-
-# ---------------------------------------------------------------- resolution
-
-
-def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
-    """The weight files of a checkpoint, in reading order.
-
-    Args:
-        checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, a ``*.index.json``
-            of a sharded checkpoint, or a folder holding exactly one index or one weights file.
-
-    Returns:
-        Absolute paths of the weight files (shards in the order the index first names them).
-
-    Raises:
-        FileNotFoundError: the checkpoint, or a shard named by its index, does not exist.
-        ValueError: unknown file type; a folder with no or several candidates (names them);
-            an index entry whose shard path leaves the checkpoint folder (names the entry).
-    """
-    path = Path(checkpoint)
-    if not path.exists():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist; pass a weights file, an index or a folder.")
-    if path.is_dir():
-        path = _pick_in_folder(path)
-    if path.name.endswith(INDEX_SUFFIX):
-        return _index_shards(path)
-    if path.suffix in (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES):
-        return [path.resolve()]
-    raise ValueError(
-        f"Checkpoint file {str(path)!r} has an unknown type; expected .safetensors, .bin, .pt, .pth or *.index.json."
-    )
-
-
-def _pick_in_folder(folder: Path) -> Path:
-    """The one index or weights file of a folder, safetensors first, standard names before others."""
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    tiers = [
-        [n for n in names if n.endswith(SAFETENSORS_SUFFIX + INDEX_SUFFIX)],
-        [n for n in names if n.endswith(SAFETENSORS_SUFFIX)],
-        [n for n in names if n.endswith(INDEX_SUFFIX) and not n.endswith(SAFETENSORS_SUFFIX + INDEX_SUFFIX)],
-        [n for n in names if n.endswith(PICKLE_SUFFIXES)],
-    ]
-    for found in tiers:
-        if len(found) == 1:
-            return folder / found[0]
-        standard = [n for n in found if n in STANDARD_NAMES]
-        if len(standard) == 1:
-            return folder / standard[0]
-        if len(found) > 1:
-            raise ValueError(
-                f"Checkpoint folder {str(folder)!r} holds several candidate checkpoints: {found}; "
-                "pass the file (or *.index.json) to load instead of the folder."
-            )
-    raise ValueError(
-        f"Checkpoint folder {str(folder)!r} holds no weights: no *.index.json, .safetensors, .bin, .pt or .pth "
-        f"file (found: {names[:20]}); pass the path of the weights file."
-    )
-
-
-def _index_shards(index_path: Path) -> list[Path]:
-    """Validate a sharded checkpoint's index and return its shard files."""
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(
-            f"Index {str(index_path)!r} is not a sharded-checkpoint index (JSON with a 'weight_map' object): {err}"
-        ) from err
-    if not isinstance(weight_map, Mapping):
-        raise ValueError(f"Index {str(index_path)!r}: 'weight_map' must map tensor names to shard file names.")
-    folder = index_path.parent.resolve()
-    shards: dict[str, Path] = {}
-    for key, shard in weight_map.items():
-        if shard in shards:
-            continue
-        if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
-            raise ValueError(
-                f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r} outside the checkpoint folder; "
-                "shard paths must be file names relative to the index's folder."
-            )
-        resolved = (folder / shard).resolve()
-        if not resolved.is_relative_to(folder):
-            raise ValueError(
-                f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r}, which resolves outside the "
-                f"checkpoint folder ({resolved}); copy the shard into {folder}."
-            )
-        if not resolved.is_file():
-            raise FileNotFoundError(
-                f"Index {str(index_path)!r}: shard {shard!r} (for {key!r}) is missing from {folder}; "
-                "download or copy the missing shard."
-            )
-        shards[shard] = resolved
-    return list(shards.values())
 
 
 # ---------------------------------------------------------------- safetensors

@@ -14,16 +14,21 @@ defaults to ``~/.cache/bigmodel``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from ..core.meta import init_empty_weights
+from ..core.progress import progress_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +147,8 @@ def convert_gguf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     with init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()
-    tensors = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
+    with gguf_progress_like_bigmodel():
+        tensors = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
     duplicates = set()
     for group in find_tied_parameters(model):
         kept = next((name for name in group if name in tensors), group[0])
@@ -156,3 +162,27 @@ def convert_gguf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     transformers.GenerationConfig.from_model_config(config).save_pretrained(str(target))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     tokenizer.save_pretrained(str(target))
+
+
+GGUF_READER_MODULE = "transformers.modeling_gguf_pytorch_utils"
+
+
+@contextlib.contextmanager
+def gguf_progress_like_bigmodel() -> Iterator[None]:
+    """Show transformers' GGUF dequantization bar only where bigmodel's own bars show.
+
+    transformers draws it with ``tqdm`` directly, which ignores ``BIGMODEL_DISABLE_PROGRESS`` and
+    writes ``\\r`` lines into logs.  For the block, the reader module's ``tqdm`` is given
+    ``disable=True`` unless a bar may be drawn (see :func:`bigmodel.core.progress.progress_enabled`);
+    the module is left as it was afterwards.  A transformers without that name is left alone.
+    """
+    module = importlib.import_module(GGUF_READER_MODULE)
+    original = getattr(module, "tqdm", None)
+    if original is None:
+        yield
+        return
+    module.tqdm = functools.partial(original, disable=not progress_enabled())
+    try:
+        yield
+    finally:
+        module.tqdm = original

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..integrations import hf as _hf
+from ..planning.device_map import check_device_map, unknown_device_map_keys
 from . import embedded as _embedded
 from . import generate as _generate
 from . import summary as _summary
@@ -109,13 +110,38 @@ def _embedded_budgets(model: nn.Module) -> dict[str, int]:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Reject bad --max-new-tokens and --threads values (ValueError naming them); apply --threads."""
+    """Reject bad --prompt, --max-new-tokens and --threads values (ValueError naming them); apply --threads."""
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty; pass some text, e.g. --prompt 'What is the capital of France?'.")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be at least 1.")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads} must be at least 1.")
         torch.set_num_threads(args.threads)
+
+
+def _read_map_file(model: nn.Module, path: str) -> dict[str, int | str]:
+    """The device map in ``path``, checked against ``model``: every key names part of it, every tensor is covered.
+
+    Raises:
+        FileNotFoundError / ValueError: see :func:`bigmodel.integrations.hf.read_device_map`; a key naming
+            nothing in the model, or tensors no key covers (names them and the fix).
+    """
+    device_map = _hf.read_device_map(path)
+    unknown = unknown_device_map_keys(model, device_map)
+    if unknown:
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        shown = ", ".join(repr(key) for key in unknown[:10]) + more
+        raise ValueError(
+            f"Device map file {path!r} names {len(unknown)} module(s) that {type(model).__name__} does not have: "
+            f"{shown}; remove them, or write a map for this model with `bigmodel plan MODEL --json`."
+        )
+    try:
+        check_device_map(model, device_map)
+    except ValueError as error:
+        raise ValueError(f"Device map file {path!r}: {error}") from error
+    return device_map
 
 
 def _offload_folder(stack: contextlib.ExitStack, given: str | None, usage: list[_summary.DeviceUsage]) -> str | None:
@@ -150,7 +176,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if embedded and budgets is None and args.device_map == "auto":
         budgets = _embedded_budgets(empty)  # a search over plans, not part of a load
     start = time.perf_counter()
-    strategy = args.device_map if args.device_map in _hf.STRING_DEVICE_MAPS else _hf.read_device_map(args.device_map)
+    strategy = args.device_map if args.device_map in _hf.STRING_DEVICE_MAPS else _read_map_file(empty, args.device_map)
     planned = _hf.plan_device_map(empty, strategy, budgets, dtype=torch_dtype)
     usage = _summary.device_map_usage(empty, planned, dtype=torch_dtype)
     plan_seconds += time.perf_counter() - start

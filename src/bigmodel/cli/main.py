@@ -16,7 +16,8 @@ import sys
 from .generate_cmd import add_generate_parser
 from .inspect_cmds import add_estimate_parser, add_plan_parser
 
-USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError)
+# Bad input: a missing or unreadable path, a folder that cannot be written, a value out of range.
+USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError)
 
 
 def build_parser() -> argparse.ArgumentParser:

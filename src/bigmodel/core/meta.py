@@ -5,6 +5,11 @@ right at registration, so the initialisers that run afterwards (``reset_paramete
 work on the target device (a no-op on ``meta``).  A parameter that is already on the
 target device is kept as the same object, so ties made inside the context
 (``b.weight = a.weight``) stay ties.  Contexts nest: the innermost one wins.
+
+The registration hooks are installed on ``nn.Module`` when the first context opens (in any
+thread) and the class gets back exactly what it held when the last one exits.  A function
+another library installed there before (its own context open) keeps being called: bigmodel
+wraps it instead of the original.
 """
 
 from __future__ import annotations
@@ -21,10 +26,6 @@ from torch.overrides import TorchFunctionMode
 from .devices import DeviceSpec
 from .tensors import as_parameter
 
-_ORIGINAL_REGISTER_PARAMETER = nn.Module.register_parameter
-_ORIGINAL_REGISTER_BUFFER = nn.Module.register_buffer
-
-
 @dataclass(frozen=True)
 class _Placement:
     device: torch.device
@@ -36,6 +37,15 @@ class _Placement:
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
 _OPEN = [0]  # contexts open in all threads
+_MISSING = object()
+# What nn.Module's own __dict__ held for each patched name when the first context opened
+# (put back when the last one exits), and the functions the patches call on (kept after
+# exit, so a patch another library captured and reinstalls later still works).
+_SAVED: dict[str, object] = {}
+_WRAPPED: dict[str, object] = {
+    "register_parameter": nn.Module.register_parameter,
+    "register_buffer": nn.Module.register_buffer,
+}
 
 
 def _stack() -> list[_Placement]:
@@ -52,7 +62,7 @@ def _same_device(tensor: torch.Tensor, device: torch.device) -> bool:
 
 
 def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    _ORIGINAL_REGISTER_PARAMETER(module, name, param)
+    _WRAPPED["register_parameter"](module, name, param)
     stack = _stack()
     if param is None or not stack:
         return
@@ -62,13 +72,42 @@ def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None
 
 
 def _register_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
-    _ORIGINAL_REGISTER_BUFFER(module, name, tensor, persistent=persistent)
+    _WRAPPED["register_buffer"](module, name, tensor, persistent=persistent)
     stack = _stack()
     if tensor is None or not stack or not stack[-1].include_buffers:
         return
     device = stack[-1].device
     if not _same_device(tensor, device):
         module._buffers[name] = tensor.to(device)
+
+
+_PATCHES = {"register_parameter": _register_parameter, "register_buffer": _register_buffer}
+
+
+def _install() -> None:
+    """Put the registration hooks on nn.Module, remembering exactly what was there (called under _LOCK)."""
+    for name, patch in _PATCHES.items():
+        _SAVED[name] = vars(nn.Module).get(name, _MISSING)
+        current = getattr(nn.Module, name)
+        if current is not patch:  # a copy of ours left by another library must not wrap itself
+            _WRAPPED[name] = current
+        setattr(nn.Module, name, patch)
+
+
+def _uninstall() -> None:
+    """Give nn.Module back what :func:`_install` found (called under _LOCK).
+
+    A name that holds another function now (another library's context opened inside ours and
+    is still open) is left to that library, which puts back what it found when it exits.
+    """
+    for name, patch in _PATCHES.items():
+        saved = _SAVED.pop(name, _MISSING)
+        if vars(nn.Module).get(name) is not patch:
+            continue
+        if saved is _MISSING:
+            delattr(nn.Module, name)
+        else:
+            setattr(nn.Module, name, saved)
 
 
 # In-place initialisers that never change a tensor's metadata: on a meta tensor they have
@@ -125,8 +164,7 @@ def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | No
     placement = _Placement(target, bool(include_buffers))
     with _LOCK:
         if not _OPEN[0]:
-            nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
-            nn.Module.register_buffer = _register_buffer  # type: ignore[method-assign]
+            _install()
         _OPEN[0] += 1
     local = _stack()
     # An outer include_buffers context creates every tensor on its device; a real inner
@@ -145,8 +183,7 @@ def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | No
         with _LOCK:
             _OPEN[0] -= 1
             if not _OPEN[0]:
-                nn.Module.register_parameter = _ORIGINAL_REGISTER_PARAMETER  # type: ignore[method-assign]
-                nn.Module.register_buffer = _ORIGINAL_REGISTER_BUFFER  # type: ignore[method-assign]
+                _uninstall()
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ from ..core.tensors import (
     retie_parameters,
     set_module_tensor_to_device,
 )
+from ..offload.format import files_no_offload_wrote
 from ..offload.storage import OffloadWriter, dat_path, load_offloaded_weight
 from .conversion import KeyConversion, TensorRouter, convert_infos
 from .key_checks import check_shapes, listed, report_keys
@@ -87,8 +88,9 @@ def load_checkpoint_in_model(
 
     Args:
         model: the model, usually built under :func:`bigmodel.init_empty_weights`.
-        checkpoint: a weights file, a sharded checkpoint's ``*.index.json``, or a folder
-            holding one of them.
+        checkpoint: a weights file, a sharded checkpoint's ``.json`` index (with a
+            ``weight_map``, or a plain tensor name → shard file mapping), or a folder holding
+            one of them (a Hugging Face hub cache snapshot folder included).
         device_map: module/tensor name → device (``"disk"`` → ``offload_folder``).  Without a
             map, each tensor goes to the device of the model's tensor (CPU for ``meta``).
             Tensors placed in memory take the model's floating dtype (or ``dtype``); tensors
@@ -96,7 +98,9 @@ def load_checkpoint_in_model(
             CPU tensors in the checkpoint's dtype are memory-mapped views of its files (no
             copy): do not overwrite those files while the model is alive.
         offload_folder: where ``"disk"`` tensors go (``index.json`` + ``.dat`` files, or
-            pointers into the safetensors checkpoint when the dtype is unchanged).
+            pointers into the safetensors checkpoint when the dtype is unchanged).  It may be
+            the checkpoint's own folder: the offload files are added there, and a file that
+            no offload wrote (the checkpoint's, a user's ``index.json``) is never overwritten.
         dtype: dtype for floating tensors (int/bool keep theirs).
         offload_state_dict: spill CPU tensors that need a cast to a temporary folder while
             loading and map them back at the end (caps anonymous RAM to about one tensor).
@@ -111,8 +115,9 @@ def load_checkpoint_in_model(
     Raises:
         FileNotFoundError: the checkpoint or one of its shards is missing.
         ValueError: corrupted checkpoint, shape mismatch (names the key and both shapes),
-            ``"disk"`` in the map without ``offload_folder``, missing/unexpected keys with
-            ``strict=True``.  All of these are raised before the model is modified.
+            ``"disk"`` in the map without ``offload_folder``, an offload into the checkpoint's
+            folder that would overwrite a file no offload wrote (names it), missing/unexpected
+            keys with ``strict=True``.  All of these are raised before the model is modified.
         PermissionError: the offload folder is not writable.
     """
     if broadcast_from_rank0:
@@ -126,7 +131,7 @@ def load_checkpoint_in_model(
         logger.debug("offload_8bit_bnb: bitsandbytes weights are offloaded as stored.")
     _load(
         model, resolve_checkpoint_files(checkpoint), None, device_map, offload_folder, _floating_dtype(dtype),
-        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict,
+        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict, checkpoint,
     )  # fmt: skip
 
 
@@ -164,7 +169,7 @@ def load_converted_checkpoint(
     """
     _load(
         model, resolve_checkpoint_files(checkpoint), conversion, device_map, offload_folder, _floating_dtype(dtype),
-        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict,
+        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict, checkpoint,
     )  # fmt: skip
 
 
@@ -179,9 +184,10 @@ def _load(
     offload_buffers: bool,
     fp32: Sequence[str],
     strict: bool,
+    checkpoint: str | os.PathLike,
 ) -> None:
     plan = _make_plan(model, files, conversion, device_map, dtype, fp32, strict, offload_buffers)
-    writer = _disk_writer(plan, offload_folder, files)
+    writer = _disk_writer(plan, offload_folder, files, checkpoint)
     spill = OffloadWriter(tempfile.mkdtemp(prefix="bigmodel-spill-")) if offload_state_dict else None
     try:
         _stream(model, files, plan, writer, spill)
@@ -287,7 +293,9 @@ def _dtype_for(
     )
 
 
-def _disk_writer(plan: _Plan, offload_folder: str | os.PathLike | None, files: list[Path]) -> OffloadWriter | None:
+def _disk_writer(
+    plan: _Plan, offload_folder: str | os.PathLike | None, files: list[Path], checkpoint: str | os.PathLike
+) -> OffloadWriter | None:
     disk = sorted(n for n, t in plan.targets.items() if t.device == "disk")
     if not disk:
         return None
@@ -297,11 +305,15 @@ def _disk_writer(plan: _Plan, offload_folder: str | os.PathLike | None, files: l
             "given; pass offload_folder=<a writable folder>."
         )
     folder = Path(offload_folder).resolve()
-    if any(folder == f.parent for f in files):
-        raise ValueError(
-            f"offload_folder {str(folder)!r} is the checkpoint's folder; bigmodel never writes there: "
-            "pass another offload_folder."
-        )
+    source = Path(checkpoint).resolve()
+    if folder in {f.parent for f in files} | {source if source.is_dir() else source.parent}:
+        foreign = files_no_offload_wrote(folder, disk)
+        if foreign:
+            raise ValueError(
+                f"offload_folder {str(folder)!r} is the checkpoint's folder, and {foreign[0].name!r} already exists "
+                "in the checkpoint's folder: bigmodel adds its offload files (index.json, <tensor>.dat) there but "
+                "never overwrites a file it did not write; pass another offload_folder."
+            )
     return OffloadWriter(folder)
 
 

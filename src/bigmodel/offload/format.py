@@ -155,3 +155,40 @@ def load_offload_index(folder: str | os.PathLike) -> dict[str, dict]:
         raise ValueError(
             f"Offload index {str(path)!r} is corrupted ({err}); delete the offload folder and reload."
         ) from err
+
+
+def _is_dat_entry(entry: object) -> bool:
+    return isinstance(entry, Mapping) and "dtype" in entry and "safetensors_file" not in entry
+
+
+def files_no_offload_wrote(folder: str | os.PathLike, names: list[str]) -> list[Path]:
+    """The files that offloading ``names`` into ``folder`` could replace and that are not an offload's own.
+
+    An offload writes ``index.json`` and ``<name>.dat`` files.  An existing ``index.json`` is
+    an offload's own when it is a JSON object of offload entries (each a JSON object with a
+    ``"dtype"``); an existing ``.dat`` file when that index lists it as a ``.dat`` entry.
+    Anything else (a user's ``index.json``, a stray ``.dat``) is returned.
+
+    Args:
+        folder: the offload folder.
+        names: tensor names that may be written as ``.dat`` files.
+
+    Returns:
+        Paths of the existing files that are not offload output, ``index.json`` first.
+    """
+    folder = Path(folder)
+    index_path = folder / INDEX_NAME
+    index: object = {}
+    if index_path.exists():
+        try:
+            index = json.loads(index_path.read_text())
+        except (ValueError, UnicodeDecodeError, OSError):
+            index = None
+    ours = isinstance(index, Mapping) and all(isinstance(e, Mapping) and "dtype" in e for e in index.values())
+    foreign = [] if ours or not index_path.exists() else [index_path]
+    listed = index if ours else {}
+    for name in names:
+        path = dat_path(folder, name)
+        if path.exists() and not _is_dat_entry(listed.get(name)):
+            foreign.append(path)
+    return foreign

@@ -156,6 +156,11 @@ class OffloadWriter:
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
+        if self.folder.exists() and not self.folder.is_dir():
+            raise PermissionError(
+                f"Offload folder {str(self.folder)!r} is not writable: it is a file, not a folder; pass an "
+                "offload_folder that names a folder (it is created if missing)."
+            )
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             probe = tempfile.NamedTemporaryFile(dir=self.folder, prefix=".bigmodel-probe-")

@@ -224,14 +224,34 @@ def _is_under(name: str, module_name: str) -> bool:
     return not module_name or name == module_name or name.startswith(module_name + ".")
 
 
+UNKNOWN_KEYS_WARNING = "The following device_map keys do not match any submodules in the model"
+
+
+def unknown_device_map_keys(model: nn.Module, device_map: Mapping[str, object]) -> list[str]:
+    """The keys of ``device_map`` that name no module, parameter or buffer of ``model`` (``""`` names the model).
+
+    Returns:
+        Those keys, in the map's order.
+    """
+    known = {name for name, _ in model.named_modules(remove_duplicate=False)}
+    known.update(name for name, _ in model.named_parameters(remove_duplicate=False))
+    known.update(name for name, _ in model.named_buffers(remove_duplicate=False))
+    return [key for key in device_map if key != "" and key not in known]
+
+
 def check_device_map(model: nn.Module, device_map: Mapping[str, object]) -> None:
     """Check that every parameter and buffer of ``model`` is covered by ``device_map``.
 
-    A name is covered by its longest prefix in the map (``""`` covers everything).
+    A name is covered by its longest prefix in the map (``""`` covers everything).  Keys that
+    name nothing in the model (a map written for another model, a typo) are ignored with a
+    ``UserWarning`` listing them, worded as the incumbent words it.
 
     Raises:
         ValueError: naming the uncovered parameters/buffers and how to fix the map.
     """
+    unknown = unknown_device_map_keys(model, device_map)
+    if unknown:
+        warnings.warn(f"{UNKNOWN_KEYS_WARNING}: {unknown}", UserWarning, stacklevel=2)
     names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
     names += [name for name, _ in model.named_buffers(remove_duplicate=False)]
     keys = set(device_map)

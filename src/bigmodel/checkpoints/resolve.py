@@ -1,0 +1,179 @@
+"""Which files make up a checkpoint, checked so that none of them is read from outside where it belongs.
+
+A checkpoint is a weights file, a ``.json`` index of a sharded checkpoint (``{"weight_map":
+{tensor: shard file}}``, or the plain ``{tensor: shard file}`` mapping), or a folder holding
+one index or one weights file.  Shard paths in an index must be relative names that stay
+inside the index's folder (no absolute path, no ``..``), and the files they name must resolve
+inside it too, symbolic links followed.
+
+The Hugging Face hub cache is the one layout whose files are links leaving their folder:
+``models--org--name/snapshots/<revision>/<file>`` links to ``../../blobs/<sha256>``.  In a
+folder laid out that way, every file (index, shards, single weights file) may resolve
+anywhere inside the repo folder ``models--org--name``, and nowhere else.  Files are returned
+under the name of the link (whose suffix tells the format), in the folder's real path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import reprlib
+from collections.abc import Mapping
+from pathlib import Path
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+SAFETENSORS_SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".index.json"
+JSON_SUFFIX = ".json"
+HUB_REPO_PREFIX = "models--"
+# The names transformers writes; in a folder with several candidates, one of these wins.
+STANDARD_NAMES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+
+
+def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
+    """The weight files of a checkpoint, in reading order.
+
+    Args:
+        checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, a ``.json``
+            index of a sharded checkpoint (``*.index.json`` with a ``weight_map``, or a plain
+            tensor name → shard file mapping), or a folder holding exactly one index or one
+            weights file.  A Hugging Face hub cache snapshot folder
+            (``models--org--name/snapshots/<revision>``) is read through its links.
+
+    Returns:
+        Absolute paths of the weight files (shards in the order the index first names them),
+        each under its own name (a link in a hub snapshot is not replaced by its blob).
+
+    Raises:
+        FileNotFoundError: the checkpoint, or a shard named by its index, does not exist.
+        ValueError: unknown file type; a folder with no or several candidates (names them);
+            an index entry whose shard path leaves the checkpoint folder (names the entry);
+            a file of a hub snapshot linking outside its repo folder (names the file).
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist; pass a weights file, an index or a folder.")
+    if path.is_dir():
+        path = _pick_in_folder(path)
+    path = path.parent.resolve() / path.name
+    repo = hub_repo_folder(path.parent)
+    if path.suffix in (JSON_SUFFIX, SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES) and repo is not None:
+        check_hub_link(path, repo)
+    if path.suffix == JSON_SUFFIX:
+        return _index_shards(path, repo)
+    if path.suffix in (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES):
+        return [path]
+    raise ValueError(
+        f"Checkpoint file {str(path)!r} has an unknown type; expected .safetensors, .bin, .pt, .pth or a .json index."
+    )
+
+
+def hub_repo_folder(folder: Path) -> Path | None:
+    """The hub repo folder (``models--org--name``) when ``folder`` is one of its snapshots, else None."""
+    real = folder.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(HUB_REPO_PREFIX):
+        return real.parent.parent
+    return None
+
+
+def check_hub_link(path: Path, repo: Path, entry: str | None = None) -> None:
+    """Refuse a file of a hub snapshot that resolves outside its repo folder ``repo``.
+
+    Raises:
+        ValueError: names the file, where it leads, the repo folder, and the fix.
+    """
+    target = path.resolve()
+    if not target.is_relative_to(repo):
+        what = f" (shard of entry {entry!r})" if entry is not None else ""
+        raise ValueError(
+            f"Checkpoint file {str(path)!r}{what} links to {str(target)!r}, outside the hub repo folder "
+            f"{str(repo)!r}; a hub snapshot's files may only link into that folder's blobs/: download the "
+            "file again with huggingface_hub."
+        )
+
+
+def _pick_in_folder(folder: Path) -> Path:
+    """The one index or weights file of a folder, safetensors first, standard names before others."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    tiers = [
+        [n for n in names if n.endswith(SAFETENSORS_SUFFIX + INDEX_SUFFIX)],
+        [n for n in names if n.endswith(SAFETENSORS_SUFFIX)],
+        [n for n in names if n.endswith(INDEX_SUFFIX) and not n.endswith(SAFETENSORS_SUFFIX + INDEX_SUFFIX)],
+        [n for n in names if n.endswith(PICKLE_SUFFIXES)],
+    ]
+    for found in tiers:
+        if len(found) == 1:
+            return folder / found[0]
+        standard = [n for n in found if n in STANDARD_NAMES]
+        if len(standard) == 1:
+            return folder / standard[0]
+        if len(found) > 1:
+            raise ValueError(
+                f"Checkpoint folder {str(folder)!r} holds several candidate checkpoints: {found}; "
+                "pass the file (or *.index.json) to load instead of the folder."
+            )
+    raise ValueError(
+        f"Checkpoint folder {str(folder)!r} holds no weights: no *.index.json, .safetensors, .bin, .pt or .pth "
+        f"file (found: {names[:20]}); pass the path of the weights file."
+    )
+
+
+def _read_weight_map(index_path: Path) -> Mapping:
+    """The ``weight_map`` of an index, or the index itself when it is a plain name → file mapping."""
+    try:
+        index = json.loads(index_path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"Index {str(index_path)!r} is not a sharded-checkpoint index (invalid JSON: {err}).") from err
+    if not isinstance(index, Mapping):
+        raise ValueError(
+            f"Index {str(index_path)!r} is not a sharded-checkpoint index: it holds a {type(index).__name__}, not a "
+            "JSON object with a 'weight_map' (or a plain tensor name → shard file object)."
+        )
+    if "weight_map" not in index:
+        odd = next((key for key, value in index.items() if not isinstance(value, str)), None)
+        if odd is not None:
+            raise ValueError(
+                f"Index {str(index_path)!r} has no 'weight_map' and is not a plain tensor name → shard file mapping "
+                f"either (entry {odd!r} is {reprlib.repr(index[odd])}, not a shard file name); pass a sharded "
+                "checkpoint's index."
+            )
+        return index
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, Mapping):
+        raise ValueError(f"Index {str(index_path)!r}: 'weight_map' must map tensor names to shard file names.")
+    return weight_map
+
+
+def _index_shards(index_path: Path, repo: Path | None) -> list[Path]:
+    """Validate a sharded checkpoint's index and return its shard files (``repo``: its hub repo folder, if any)."""
+    weight_map = _read_weight_map(index_path)
+    folder = index_path.parent
+    shards: dict[str, Path] = {}
+    for key, shard in weight_map.items():
+        if isinstance(shard, str) and shard in shards:
+            continue
+        if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise ValueError(
+                f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r} outside the checkpoint folder; "
+                "shard paths must be file names relative to the index's folder."
+            )
+        path = folder / shard
+        if repo is not None:
+            check_hub_link(path, repo, key)
+        elif not path.resolve().is_relative_to(folder):
+            raise ValueError(
+                f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r}, which resolves outside the "
+                f"checkpoint folder ({path.resolve()}); copy the shard into {folder}."
+            )
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"Index {str(index_path)!r}: shard {shard!r} (for {key!r}) is missing from {folder}; "
+                "download or copy the missing shard."
+            )
+        shards[shard] = path
+    return list(shards.values())
