@@ -177,8 +177,8 @@ def test_send_to_device_matches_accelerate_on_nested_data() -> None:
         assert type(ours["a"][1]) is tuple and ours["a"][1][1] == 3
         for key in "ab":
             mine, incumbent = ours[key], theirs[key]
-            flat_mine = [mine[0][0], mine[0][1][0], mine[1][0]] if key == "a" else [mine.x]
-            flat_theirs = [incumbent[0][0], incumbent[0][1][0], incumbent[1][0]] if key == "a" else [incumbent.x]
+            flat_mine = [mine[0], mine[1][0]] if key == "a" else [mine.x]
+            flat_theirs = [incumbent[0], incumbent[1][0]] if key == "a" else [incumbent.x]
             assert [t.device for t in flat_mine] == [t.device for t in flat_theirs], (skip, key)
         assert ours["c"] == "text" and ours["d"] is None
 

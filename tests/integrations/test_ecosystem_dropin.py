@@ -89,7 +89,7 @@ def test_load_checkpoint_and_dispatch_with_cpu_budget(name: str, checkpoint, tmp
 
 @pytest.mark.parametrize("name", LIBS)
 def test_get_max_memory_then_read_the_callers_dict(name: str) -> None:
-    budgets = {"cpu": "10GiB", "disk": "1TB"}
+    budgets = {"cpu": "10GiB", "disk": "1000GB"}
     lib(name).utils.get_max_memory(budgets)
     assert budgets["cpu"] < 11 * 2**30  # the caller's dict now holds ints
     assert budgets == {"cpu": 10 * 2**30, "disk": 10**12}

@@ -12,6 +12,7 @@ import accelerate.big_modeling
 import accelerate.hooks
 import accelerate.utils
 import pytest
+import torch
 
 import bigmodel
 from bigmodel.integrations import ecosystem, use_bigmodel
@@ -108,9 +109,17 @@ def test_context_manager_nesting_and_double_undo() -> None:
 
 def test_accelerate_training_side_still_works_while_active() -> None:
     with use_bigmodel():
-        state = accelerate.PartialState(cpu=True)
-        assert state.num_processes == 1
-        assert type(accelerate.Accelerator).__module__ == "accelerate.accelerator"
+        assert accelerate.Accelerator.__module__ == "accelerate.accelerator"
+        accelerator = accelerate.Accelerator(cpu=True)
+        assert accelerate.PartialState().num_processes == 1
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        before = model.weight.detach().clone()
+        accelerator.backward(model(torch.ones(1, 2)).sum())
+        optimizer.step()
+        assert torch.equal(model.weight.detach(), before - 0.5)  # d(sum)/dW = 1 for an input of ones
 
 
 def _run(code: str) -> str:

@@ -50,7 +50,7 @@ def test_incumbent_also_puts_disk_last_for_the_same_budget() -> None:
 
 
 def test_accelerator_and_cpu_budgets_also_end_on_disk() -> None:
-    device_map = infer_auto_device_map(Stack(), max_memory={0: 5_000, "cpu": 5_000})
+    device_map = infer_auto_device_map(Stack(), max_memory={0: 10_000, "cpu": 5_000})
     assert list(dict.fromkeys(device_map.values())) == [0, "cpu", "disk"]
 
 

@@ -16,7 +16,7 @@ from bigmodel import get_balanced_memory, get_max_memory, infer_auto_device_map
 
 @pytest.mark.parametrize(
     "budgets",
-    [{"cpu": "10GiB"}, {"cpu": "1.5GB", "disk": "1TB"}, {"cpu": 5, "disk": "2KiB"}, {0: "1GB", "cpu": "500MB"}],
+    [{"cpu": "10GiB"}, {"cpu": "1.5GB", "disk": "1000GB"}, {"cpu": 5, "disk": "2KiB"}, {0: "1GB", "cpu": "500MB"}],
 )
 def test_strings_become_ints_in_the_callers_dict_like_the_incumbent(budgets: dict) -> None:
     ours, theirs = dict(budgets), dict(budgets)
