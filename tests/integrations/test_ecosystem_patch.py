@@ -93,6 +93,31 @@ def test_on_replaces_accelerate_and_consumer_names_and_undo_restores_them_exactl
     assert changed == []
 
 
+def test_bigmodel_hook_classes_accelerate_lacks_are_there_while_on() -> None:
+    # peft and diffusers rebuild a hook with getattr(accelerate.hooks, type(hook).__name__).
+    assert not hasattr(accelerate.hooks, "PinnedCpuOffload")
+    with use_bigmodel():
+        assert accelerate.hooks.PinnedCpuOffload.__module__ == "bigmodel.hooks.cpu_offload"
+    assert not hasattr(accelerate.hooks, "PinnedCpuOffload")
+
+
+def test_a_name_replaced_again_after_switching_on_is_left_to_its_owner(caplog: pytest.LogCaptureFixture) -> None:
+    original = accelerate.big_modeling.check_device_map
+
+    def theirs(*args, **kwargs) -> None:
+        return None
+
+    patch = use_bigmodel()
+    try:
+        accelerate.big_modeling.check_device_map = theirs  # e.g. a library patching it while a model loads
+        patch.undo()
+        assert accelerate.big_modeling.check_device_map is theirs
+        assert "accelerate.big_modeling.check_device_map was replaced again" in caplog.text
+    finally:
+        accelerate.big_modeling.check_device_map = original
+        patch.undo()
+
+
 def test_context_manager_nesting_and_double_undo() -> None:
     original = accelerate.dispatch_model
     with use_bigmodel() as outer:
