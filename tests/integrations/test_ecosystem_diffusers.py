@@ -78,6 +78,14 @@ def test_unet_with_a_disk_device_map_is_bit_exact(on, unet_folder: Path, tmp_pat
         assert torch.equal(unet(*unet_inputs()).sample, unet_reference)
 
 
+def test_unet_loaded_without_a_map_goes_through_bigmodels_meta_init(on, unet_folder: Path, unet_reference) -> None:
+    # low_cpu_mem_usage (the default): accelerate.init_empty_weights + set_module_tensor_to_device per tensor.
+    unet = UNet2DConditionModel.from_pretrained(str(unet_folder))
+    assert not hasattr(unet, "hf_device_map") and hook_owner(unet) == set()
+    with torch.no_grad():
+        assert torch.equal(unet(*unet_inputs()).sample, unet_reference)
+
+
 def test_unet_auto_map_without_a_disk_key_offloads_to_disk(
     on, unet_folder: Path, tmp_path: Path, unet_reference
 ) -> None:
