@@ -29,7 +29,7 @@ run: venv
 	$(BIN)/bigmodel generate --check
 
 # The benchmark venv sees everything in .venv (torch, transformers, bigmodel) through a .pth file;
-# accelerate==1.15.0 is installed here only, never into .venv.
+# accelerate==1.15.0 is pinned here too (the test extra also installs it into .venv for the ecosystem tests).
 $(VENV)-bench/.installed: $(BIN)/.installed
 	$(BIN)/python -m venv $(VENV)-bench
 	$(BIN)/python -c "import sysconfig; print('import site; site.addsitedir(%r)' % sysconfig.get_paths()['purelib'])" > \

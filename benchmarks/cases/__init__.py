@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from . import dispatch, generate, init_empty, loading, planning
+from . import dispatch, ecosystem, generate, init_empty, loading, planning
 from .base import Case, Metric
 
 CASES: dict[str, Case] = {
     case.name: case
-    for module in (init_empty, planning, loading, dispatch, generate)
+    for module in (init_empty, planning, loading, dispatch, generate, ecosystem)
     for case in module.CASES
 }
 

@@ -10,6 +10,7 @@ Names are imported lazily, so ``import bigmodel`` stays cheap.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from ._exports import EXPORTS, resolve
@@ -18,7 +19,13 @@ __version__ = "0.1.0"
 __all__ = sorted(EXPORTS)
 
 
+# Compatibility subpackages reachable as attributes, as `accelerate.utils` is after `import accelerate`.
+_SUBMODULES = ("big_modeling", "hooks", "utils")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     value = resolve(name)
     globals()[name] = value
     return value

@@ -16,8 +16,10 @@ EXPORTS: dict[str, str] = {
     "compute_module_total_buffer_size": "core.sizes",
     "get_max_layer_size": "core.sizes",
     "calculate_maximum_sizes": "core.sizes",
+    "CustomDtype": "core.sizes",
     "get_max_memory": "planning.memory",
     "get_balanced_memory": "planning.memory",
+    "clear_device_cache": "core.devices",
     # tensors and ties
     "named_module_tensors": "core.tensors",
     "get_non_persistent_buffers": "core.tensors",
@@ -41,6 +43,8 @@ EXPORTS: dict[str, str] = {
     "extract_submodules_state_dict": "offload.storage",
     "OffloadedWeightsLoader": "offload.storage",
     "PrefixedDataset": "offload.storage",
+    "save_offload_index": "offload.storage",
+    "load_offloaded_weights": "offload.storage",
     # hooks
     "ModelHook": "hooks.registry",
     "SequentialHook": "hooks.registry",
@@ -59,6 +63,7 @@ EXPORTS: dict[str, str] = {
     "has_offloaded_params": "hooks.align",
     "align_module_device": "hooks.align",
     "extract_model_from_parallel": "core.wrappers",
+    "send_to_device": "hooks.moving",
     # dispatch and offload
     "dispatch_model": "dispatch.dispatch",
     "cpu_offload": "dispatch.dispatch",
@@ -67,6 +72,7 @@ EXPORTS: dict[str, str] = {
     "load_checkpoint_and_dispatch": "dispatch.dispatch",
     # bigmodel's own additions
     "load_pretrained": "integrations.hf",
+    "use_bigmodel": "integrations.ecosystem",
 }
 
 

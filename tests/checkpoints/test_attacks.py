@@ -468,7 +468,7 @@ def test_symlinked_subfolder_cannot_redirect_a_write(tmp_path):
 @pytest.mark.parametrize(
     "budget, message",
     [
-        ({"cpu": 0}, r"Module 'a' \(80 bytes\) fits on no device"),
+        ({"cpu": 0, "disk": 0}, r"Module 'a' \(80 bytes\) fits on no device"),
         ({"cpu": -1}, r"max_memory\['cpu'\]: Size -1 is negative"),
         ({"cpu": "-5MB"}, r"Size '-5MB' is not a memory size"),
         ({"cpu": "lots"}, r"Size 'lots' is not a memory size"),
@@ -523,7 +523,7 @@ def test_far_apart_tied_parameters_share_a_device(budget):
 
 def test_tied_bundle_that_fits_nowhere_is_named():
     with pytest.raises(ValueError, match=r"Module 'first' with the modules tied to it \['last'\] \(160 bytes\)"):
-        infer_auto_device_map(FarTied(), max_memory={0: 10, "cpu": 10})
+        infer_auto_device_map(FarTied(), max_memory={0: 10, "cpu": 10, "disk": 100})
 
 
 def test_no_split_class_at_root():
@@ -531,7 +531,10 @@ def test_no_split_class_at_root():
         "": 1
     }
     with pytest.raises(ValueError, match=r"Module 'FarTied' \(560 bytes\) fits on no device"):
-        infer_auto_device_map(FarTied(), max_memory={0: 200, 1: 300}, no_split_module_classes=["FarTied"])
+        infer_auto_device_map(FarTied(), max_memory={0: 200, 1: 300, "disk": 500}, no_split_module_classes=["FarTied"])
+    assert infer_auto_device_map(FarTied(), max_memory={0: 200, 1: 300}, no_split_module_classes=["FarTied"]) == {
+        "": "disk"
+    }
 
 
 def test_huge_meta_model_plans_without_memory():

@@ -124,13 +124,13 @@ def test_dict_map_is_checked():
         resolve_device_map(model, {"layers.0": 0})
 
 
-def test_model_that_fits_nowhere_without_disk_names_module_size_and_fix():
+def test_what_fits_nowhere_else_goes_to_the_implicit_disk():
     model = Layers(250, 250, 500)
-    expected = r"Module 'layers.2' \(2,000 bytes\) fits on no device .* Add \"disk\" to max_memory"
-    with pytest.raises(ValueError, match=expected):
-        infer_auto_device_map(model, {0: 3100, "cpu": 1500})
-    device_map = infer_auto_device_map(model, {0: 3100, "cpu": 1500, "disk": 10**6})
-    assert device_map == {"layers.0": 0, "layers.1": "cpu", "layers.2": "disk"}
+    expected = {"layers.0": 0, "layers.1": "cpu", "layers.2": "disk"}
+    assert infer_auto_device_map(model, {0: 3100, "cpu": 1500}) == expected  # "disk" is always the last device
+    assert infer_auto_device_map(model, {0: 3100, "cpu": 1500, "disk": 10**6}) == expected
+    with pytest.raises(ValueError, match=r"Module 'layers.2' \(2,000 bytes\) fits on no device .* Raise the \"disk\""):
+        infer_auto_device_map(model, {0: 3100, "cpu": 1500, "disk": 1000})
 
 
 def test_empty_budgets_are_rejected_with_an_example():

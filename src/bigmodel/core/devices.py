@@ -8,6 +8,7 @@ MPS, NPU ... all work without a per-backend branch.
 
 from __future__ import annotations
 
+import gc
 import re
 from typing import Union
 
@@ -134,3 +135,15 @@ def empty_cache(device: torch.device) -> None:
         return
     if hasattr(torch.accelerator, "empty_cache"):
         torch.accelerator.empty_cache()
+
+
+def clear_device_cache(garbage_collection: bool = False) -> None:
+    """Release the cached allocator blocks of the current accelerator (nothing to do without one).
+
+    Args:
+        garbage_collection: run :func:`gc.collect` first, so tensors held only by reference
+            cycles are freed before the cache is emptied (slow: use it sparingly).
+    """
+    if garbage_collection:
+        gc.collect()
+    empty_cache(torch.device(accelerator_type() or "cpu"))

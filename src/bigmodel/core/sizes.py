@@ -6,6 +6,7 @@ it works on a model built on the ``meta`` device.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import re
@@ -42,6 +43,20 @@ _DTYPE_ALIASES = {
 # Sub-byte dtypes: torch stores them packed; a size estimate counts bits / 8 per element.
 _SUB_BYTE = re.compile(r"^(?:u?int|float)(?P<bits>[1-7])$")
 _STRING_ONLY_BITS = {"int4": 4, "uint4": 4, "int2": 2, "uint2": 2, "fp4": 4, "float4": 4, "int1": 1}
+
+
+class CustomDtype(enum.Enum):
+    """Storage formats torch has no dtype for, accepted wherever a dtype sizes a plan.
+
+    Quantizers (diffusers, transformers) pass these to ``infer_auto_device_map(dtype=...)``
+    and ``compute_module_sizes``: ``INT4`` counts half a byte per element, ``INT2`` a quarter,
+    ``FP8`` one byte.  Any enum member whose value is such a name (the incumbent's
+    ``CustomDtype`` included) is read the same way.
+    """
+
+    FP8 = "fp8"
+    INT4 = "int4"
+    INT2 = "int2"
 
 
 def convert_file_size_to_int(size: int | str) -> int:
@@ -82,11 +97,15 @@ def to_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
     Names of sub-byte storage formats that torch has no dtype for (``"int4"``, ``"fp4"`` on
     older torch) come back as the lower-case string, which :func:`dtype_byte_size` sizes.
 
+    An enum member (:class:`CustomDtype`) is read through its value.
+
     Raises:
         ValueError: for an unknown name (names it and lists examples).
     """
     if isinstance(dtype, torch.dtype):
         return dtype
+    if isinstance(dtype, enum.Enum) and isinstance(dtype.value, str):
+        dtype = dtype.value
     if isinstance(dtype, str):
         name = dtype.strip().lower().removeprefix("torch.")
         if name in _DTYPE_ALIASES:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -51,6 +52,25 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Modules on which callers replace ``check_device_map`` for the duration of a dispatch: code
+# ported from the incumbent patches the compatibility module, transformers patches the
+# incumbent's ``accelerate.big_modeling`` (use_bigmodel() adds it here while it is on).
+# dispatch_model calls the replacement it finds there, the last site first.
+CHECK_DEVICE_MAP_SITES: list[str] = ["bigmodel.big_modeling"]
+
+
+def device_map_checker() -> Callable[[nn.Module, Mapping[str, DeviceSpec]], None]:
+    """The ``check_device_map`` dispatch_model calls: a replacement found on a patch site, else bigmodel's."""
+    from ..planning.device_map import check_device_map
+
+    for site in reversed(CHECK_DEVICE_MAP_SITES):
+        module = sys.modules.get(site)
+        replaced = vars(module).get("check_device_map") if module is not None else None
+        if replaced is not None and replaced is not check_device_map:
+            return replaced
+    return check_device_map
+
 
 def _main_device(device_map: Mapping[str, DeviceSpec]) -> DeviceSpec:
     for device in device_map.values():
@@ -144,14 +164,16 @@ def dispatch_model(
     A model dispatched before has its hooks removed first (its weights come back from the old
     weights map), after the map and ``offload_dir`` are checked: a refused call changes nothing.
 
+    The map is checked by ``check_device_map``, looked up where callers patch it (see
+    :data:`CHECK_DEVICE_MAP_SITES`): transformers swaps in a no-op for models whose map
+    deliberately leaves some parameters out.
+
     Raises:
         ValueError: the map does not cover the model, disk parts have no ``offload_dir``, or
             ``offload_dir``'s index lacks (or describes with another shape/dtype) tensors that are
             on ``meta`` in the model.
     """
-    from ..planning.device_map import check_device_map
-
-    check_device_map(model, device_map)
+    device_map_checker()(model, device_map)
     devices = {normalize_device(d) if not isinstance(d, str) or d not in ("cpu", "disk", "meta") else d
                for d in device_map.values()}
     if len(devices) == 1 and not force_hooks and "disk" not in devices:

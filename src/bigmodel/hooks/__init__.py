@@ -23,6 +23,8 @@ __all__ = [
     "attach_layerwise_casting_hooks",
     "set_module_tensor_to_device",
     "named_module_tensors",
+    "get_non_persistent_buffers",
+    "send_to_device",
     "find_tied_parameters",
     "PrefixedDataset",
     "extract_submodules_state_dict",

@@ -123,6 +123,12 @@ def _move(obj: Any, device: Any, non_blocking: bool, skip: frozenset[str]) -> An
     to = getattr(obj, "to", None)
     if callable(to) and not isinstance(obj, nn.Module):
         try:
+            return to(device, non_blocking=non_blocking)
+        except TypeError:  # a .to() without non_blocking (or not about devices at all)
+            pass
+        except RuntimeError:
+            return obj
+        try:
             return to(device)
         except (TypeError, RuntimeError):
             return obj

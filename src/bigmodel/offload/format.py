@@ -113,9 +113,14 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
 
 
 def _safetensors_path(info: Mapping[str, Any], folder: Path | None) -> str:
-    """The file an entry points into (a relative path is taken from ``folder``)."""
+    """The file an entry points into.
+
+    A relative path is taken from the working directory, as the incumbent reads it (transformers
+    and peft write such paths for a checkpoint given as a relative folder); when no file is there,
+    from ``folder`` (an offload folder moved with the files it points to).
+    """
     path = str(info["safetensors_file"])
-    if folder is not None and not Path(path).is_absolute():
+    if folder is not None and not Path(path).is_absolute() and not Path(path).is_file():
         path = str(folder / path)
     return path
 
@@ -123,7 +128,7 @@ def _safetensors_path(info: Mapping[str, Any], folder: Path | None) -> str:
 def _read_safetensors_entry(
     info: Mapping[str, Any], key: str, cache: dict[str, SafetensorsFile], folder: Path | None = None
 ) -> torch.Tensor:
-    """Read an entry pointing into a safetensors file (a relative path is taken from ``folder``)."""
+    """Read an entry pointing into a safetensors file (see :func:`_safetensors_path` for relative paths)."""
     path = _safetensors_path(info, folder)
     handle = cache.get(path)
     if handle is None:

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..checkpoints.files import SafetensorsFile
 from ..core.devices import DeviceSpec, torch_device
+from ..core.tensors import set_module_tensor_to_device
 from .format import (
     INDEX_NAME,
     _read_safetensors_entry,
@@ -43,6 +45,7 @@ __all__ = [
     "extract_submodules_state_dict",
     "load_offload_index",
     "load_offloaded_weight",
+    "load_offloaded_weights",
     "offload_state_dict",
     "offload_weight",
     "parse_dtype",
@@ -105,12 +108,55 @@ def _write_index(index: Mapping[str, dict], folder: Path) -> None:
     _atomic_write(folder / INDEX_NAME, lambda f: f.write(text))
 
 
-def save_offload_index(index: Mapping[str, dict], folder: str | os.PathLike) -> None:
-    """Merge ``index`` into ``<folder>/index.json`` and replace it atomically."""
+def save_offload_index(index: Mapping[str, dict] | None, folder: str | os.PathLike) -> None:
+    """Merge ``index`` into ``<folder>/index.json`` and replace it atomically.
+
+    Args:
+        index: tensor name → entry, as :func:`offload_weight` builds it; entries replace those
+            of the same names already in the file.  None or empty writes nothing.
+        folder: the offload folder (it must exist when there is something to write).
+
+    Raises:
+        ValueError: the existing ``index.json`` is not a valid index (names the file).
+        OSError: the folder cannot be written (the previous index is left as it was).
+    """
+    if not index:
+        return
     folder = Path(folder)
     merged = load_offload_index(folder)
     merged.update(index)
     _write_index(merged, folder)
+
+
+def load_offloaded_weights(model: nn.Module, index: Mapping[str, dict] | None, offload_folder: str | os.PathLike) -> None:
+    """Put every tensor of an offload folder back into ``model``, on the CPU (copies: the folder may then go).
+
+    Used by diffusers after loading with ``offload_state_dict``.  A ``<name>.SCB`` entry is
+    not a tensor of its own: it is passed as the 8-bit statistics of the ``<name>.weight``
+    beside it.
+
+    Args:
+        model: the model; its parameters/buffers named in ``index`` may be on ``meta``.
+        index: tensor name → offload entry (``{"dtype", "shape"}`` for ``<name>.dat`` files, or
+            a safetensors pointer).  None or empty loads nothing.
+        offload_folder: the folder holding the ``.dat`` files.
+
+    Raises:
+        FileNotFoundError: a ``.dat`` file is missing (names it).
+        ValueError: an entry does not match its file, or names no tensor of ``model``.
+    """
+    if not index:
+        return
+    folder = Path(offload_folder)
+    for name, info in index.items():
+        if name.rpartition(".")[2] == "SCB":
+            continue
+        statistics = None
+        if name.endswith("weight") and (scb := name[: -len("weight")] + "SCB") in index:
+            statistics = load_offloaded_weight(dat_path(folder, scb), index[scb]).clone()
+        # A copy, not a map of the file: callers delete the folder right after (diffusers does).
+        value = load_offloaded_weight(dat_path(folder, name), info).clone()
+        set_module_tensor_to_device(model, name, "cpu", value=value, fp16_statistics=statistics)
 
 
 def offload_state_dict(save_dir: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -40,7 +40,6 @@ from .memory import get_balanced_memory, get_max_memory
 logger = logging.getLogger(__name__)
 
 STRING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
-_UNBOUNDED_DISK = 2**62
 _REFILL_ROUNDS = 6
 
 
@@ -63,12 +62,11 @@ def _no_split_set(model: nn.Module, no_split_module_classes: list[str] | str | N
 
 
 def _budget_list(max_memory: Mapping[DeviceSpec, int | str] | None) -> tuple[list[int | str], list[float]]:
-    budgets: dict[int | str, float] = dict(get_max_memory(max_memory))
-    if max_memory is None:
-        # Nothing given: the measured devices, then an unbounded disk (as the ecosystem expects).
-        budgets["disk"] = math.inf
-    if not budgets:
+    """The devices to fill, in order, and their budgets: "disk" is always last (unbounded unless given)."""
+    if max_memory is not None and not max_memory:
         raise ValueError("max_memory is empty; give at least one device budget, e.g. {0: '20GiB', 'cpu': '60GiB'}.")
+    budgets: dict[int | str, float] = dict(get_max_memory(max_memory))
+    budgets.setdefault("disk", math.inf)  # as the incumbent: what fits nowhere else goes to disk
     return list(budgets), list(budgets.values())
 
 
@@ -87,9 +85,11 @@ def infer_auto_device_map(
 
     Args:
         model: the model; only sizes are read, so a meta model works.
-        max_memory: budgets device → bytes or size string (see :func:`bigmodel.get_max_memory`).
-            When None, measured free memory plus an unbounded ``"disk"``.  When given, ``"disk"``
-            is used only if it is a key.
+        max_memory: budgets device → bytes or size string (see :func:`bigmodel.get_max_memory`;
+            strings in this dict are converted to ints in place).  When None, the measured free
+            memory.  ``"disk"`` is always the last device: unbounded, unless a ``"disk"`` key
+            gives its budget (transformers, diffusers and peft pass ``{"cpu": ...}`` and expect
+            the rest on ``"disk"``).
         no_split_module_classes: class names whose modules are never split across devices
             (e.g. ``["LlamaDecoderLayer"]``).  Names matching no module give a warning.
         dtype: size floating tensors as if cast to this dtype.
@@ -296,8 +296,6 @@ def resolve_device_map(
         else:
             low_zero = device_map == "balanced_low_0"
             budgets = get_balanced_memory(model, max_memory, no_split_module_classes, dtype, special_dtypes, low_zero)
-        if max_memory is None:
-            budgets["disk"] = _UNBOUNDED_DISK  # measured budgets: offload the rest, as infer_auto_device_map does
         return infer_auto_device_map(
             model, budgets, no_split_module_classes, dtype, special_dtypes, offload_buffers=offload_buffers
         )

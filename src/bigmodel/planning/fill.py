@@ -274,13 +274,9 @@ def _fits_nowhere(ctx: PlanContext, bundle: list[Unit], size: int, reserve: int)
     budgets = ", ".join(f"{device!r}: {limit:,}" for device, limit in zip(ctx.devices, ctx.limits))
     kept = f" ({reserve:,} bytes are kept free on the execution device to bring back offloaded layers)"
     kept = kept if reserve else ""
-    fix = (
-        'Raise the "disk" budget in max_memory (or the others).'
-        if "disk" in ctx.devices
-        else 'Add "disk" to max_memory (and pass an offload folder when loading) or raise a budget.'
-    )
     return ValueError(
-        f"Module {what} ({size:,} bytes) fits on no device with the budgets {{{budgets}}} (bytes){kept}. {fix}"
+        f"Module {what} ({size:,} bytes) fits on no device with the budgets {{{budgets}}} (bytes){kept}. "
+        'Raise the "disk" budget in max_memory (or the others), or leave "disk" out: it is then unbounded.'
     )
 
 

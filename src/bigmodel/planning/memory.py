@@ -9,7 +9,7 @@ machine without any accelerator.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import psutil
 import torch
@@ -73,7 +73,11 @@ def get_max_memory(max_memory: Mapping[DeviceSpec, int | str] | None = None) -> 
             (``psutil.virtual_memory().available``) are measured.
 
     Returns:
-        dict device → bytes, accelerators first (by index), then ``"cpu"``, then ``"disk"``.
+        a new dict device → bytes, accelerators first (by index), then ``"cpu"``, then
+        ``"disk"``.  As with the incumbent, the size strings of a caller's ``max_memory`` are
+        also replaced by their ints **in that dict** (its keys are kept as spelled):
+        transformers reads the dict it passed again and compares its values with ints.  A
+        dict with any invalid entry is left unchanged.
 
     Raises:
         ValueError: a key is not a device (names it and the accepted forms), two keys name
@@ -82,14 +86,19 @@ def get_max_memory(max_memory: Mapping[DeviceSpec, int | str] | None = None) -> 
     if max_memory is None:
         return _detected_budgets()
     budgets: Budgets = {}
+    converted: dict[DeviceSpec, int] = {}
     for key, value in max_memory.items():
         device = _budget_key(key)
         if device in budgets:
             raise ValueError(f"max_memory names device {device!r} twice (key {key!r}); keep one entry per device.")
         try:
-            budgets[device] = convert_file_size_to_int(value)
+            budgets[device] = converted[key] = convert_file_size_to_int(value)
         except ValueError as err:
             raise ValueError(f"max_memory[{key!r}]: {err}") from err
+    if isinstance(max_memory, MutableMapping):
+        for key, size in converted.items():
+            if isinstance(max_memory[key], str):
+                max_memory[key] = size
     return dict(sorted(budgets.items(), key=lambda item: device_sort_key(item[0])))
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "load_state_dict",
     "load_checkpoint_in_model",
     "get_state_dict_offloaded_model",
+    "load_offloaded_weights",
     "has_offloaded_params",
     "align_module_device",
     *offload.__all__,  # accelerate.utils.modeling imports these from its offload module

@@ -8,6 +8,7 @@ __all__ = [
     "offload_weight",
     "load_offloaded_weight",
     "offload_state_dict",
+    "save_offload_index",
     "extract_submodules_state_dict",
     "OffloadedWeightsLoader",
     "PrefixedDataset",

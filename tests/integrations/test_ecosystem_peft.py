@@ -1,0 +1,92 @@
+"""peft's adapter loading, merging and unloading on a disk-offloaded model, on bigmodel through use_bigmodel().
+
+The budgets name only "cpu", as peft's own offload tests do: peft re-plans the wrapped model
+with them and expects "disk" as the implicit last device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import transformers
+from _tiny_ecosystem import IDS, hook_owner, write_lora_adapter
+from _tiny_hf import write_tiny_llama
+
+from bigmodel.integrations import use_bigmodel
+
+pytestmark = pytest.mark.slow
+
+BUDGETS = {"cpu": 60_000}
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # peft rewrites the offloaded safetensors files at paths relative to the working directory.
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("eco-peft")
+    base = write_tiny_llama(root / "model", tokenizer=False)
+    return base, write_lora_adapter(base, root / "adapter")
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def whole_peft(folders: tuple[Path, Path]) -> peft.PeftModel:
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folders[0]), dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, str(folders[1])).eval()
+
+
+def offloaded_peft(folders: tuple[Path, Path], offload: Path) -> peft.PeftModel:
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folders[0]), dtype=torch.float32, device_map="auto", max_memory=dict(BUDGETS), offload_folder=str(offload)
+    )
+    assert "disk" in base.hf_device_map.values()
+    model = peft.PeftModel.from_pretrained(
+        base, str(folders[1]), max_memory=dict(BUDGETS), offload_folder=str(offload)
+    ).eval()
+    assert "disk" in model.hf_device_map.values()
+    assert hook_owner(model) == {"bigmodel"}
+    return model
+
+
+def test_adapter_on_disk_offloaded_model_is_bit_exact(folders, tmp_path: Path) -> None:
+    reference = whole_peft(folders)
+    with use_bigmodel():
+        model = offloaded_peft(folders, tmp_path)
+        with reference.disable_adapter():
+            assert not torch.equal(logits(model), logits(reference))  # the adapter does change the output
+        assert torch.equal(logits(model), logits(reference))
+
+
+def test_merge_unmerge_and_merge_and_unload_are_bit_exact(folders, tmp_path: Path) -> None:
+    reference = whole_peft(folders)
+    with use_bigmodel():
+        model = offloaded_peft(folders, tmp_path)
+        model.merge_adapter()
+        reference.merge_adapter()
+        assert torch.equal(logits(model), logits(reference))
+        model.unmerge_adapter()
+        reference.unmerge_adapter()
+        assert torch.equal(logits(model), logits(reference))
+        merged, merged_reference = model.merge_and_unload(), reference.merge_and_unload()
+        assert type(merged) is type(merged_reference)
+        assert torch.equal(logits(merged), logits(merged_reference))
+        tokens = merged.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=1)
+        assert torch.equal(tokens, merged_reference.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=1))
+
+
+def test_checkpoint_files_are_not_touched_by_merging(folders, tmp_path: Path) -> None:
+    before = {p.name: p.read_bytes() for p in folders[0].iterdir() if p.is_file()}
+    with use_bigmodel():
+        model = offloaded_peft(folders, tmp_path)
+        model.merge_and_unload()
+    assert {p.name: p.read_bytes() for p in folders[0].iterdir() if p.is_file()} == before
