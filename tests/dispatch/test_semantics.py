@@ -20,6 +20,8 @@ from bigmodel import (
 )
 from bigmodel.hooks import AlignDevicesHook, SequentialHook
 
+PENDING = pytest.mark.xfail(strict=True, reason="issue 12: fixed later on this branch")
+
 # --------------------------------------------------------------------------- tiny transformers model
 
 LLAMA_MAP = {
@@ -46,6 +48,7 @@ def _logits(model) -> torch.Tensor:
         return model(IDS).logits
 
 
+@PENDING
 def test_disk_modules_of_a_bfloat16_load_compute_in_bfloat16(llama_folder, tmp_path):
     ref = load_checkpoint_and_dispatch(_empty_llama(llama_folder), llama_folder, device_map={"": "cpu"},
                                        dtype=torch.bfloat16)  # fmt: skip
@@ -96,6 +99,7 @@ def _counters_checkpoint(folder, steps_dtype=torch.int64):
     return model
 
 
+@PENDING
 def test_integer_buffer_of_a_disk_module_comes_back_with_the_checkpoint_value(tmp_path):
     plain = _counters_checkpoint(tmp_path / "ckpt")
     with init_empty_weights():
@@ -108,6 +112,7 @@ def test_integer_buffer_of_a_disk_module_comes_back_with_the_checkpoint_value(tm
     assert torch.equal(model.b.steps, torch.tensor([5, 6, 7, 8]))
 
 
+@PENDING
 @pytest.mark.parametrize("device_map", [None, {"a": "cpu", "b": "disk"}])
 def test_integer_buffer_stored_as_float_takes_the_model_dtype(device_map, tmp_path):
     plain = _counters_checkpoint(tmp_path / "ckpt", steps_dtype=torch.float16)
@@ -174,6 +179,7 @@ def _device_of(name: str, device_map: dict) -> object:
     return device_map[name]
 
 
+@pytest.mark.xfail(strict=False, reason="issue 12: fixed later on this branch")
 @pytest.mark.parametrize("no_split", [None, ["Scaled"]])
 @pytest.mark.parametrize("cpu_budget", [1300, 2300, 2700, 3500])
 def test_a_block_registered_under_several_names_is_planned_and_dispatched(cpu_budget, no_split, tmp_path):
@@ -226,6 +232,7 @@ class Net(nn.Module):
         return self.c(self.b(self.a(x)))
 
 
+@PENDING
 @pytest.mark.parametrize("second_map", [
     {"a": "cpu", "b": "disk", "c": "cpu"},
     {"a": "cpu", "b": "cpu", "c": "disk"},
@@ -241,6 +248,7 @@ def test_dispatch_again_without_offload_dir_reuses_the_weights_the_hooks_reach(s
     assert torch.equal(model(X8), ref)
 
 
+@PENDING
 def test_dispatch_again_without_offload_dir_keeps_modules_added_after_dispatch(tmp_path):
     model = dispatch_model(Net(), {"a": "cpu", "b": "disk", "c": "cpu"}, offload_dir=tmp_path / "offload")
     extra = nn.Linear(8, 8)
@@ -267,6 +275,7 @@ def _lora(model):
     return peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
 
 
+@PENDING
 def test_get_peft_model_on_a_disk_dispatched_model_gives_the_base_logits(disk_dispatched_llama):
     model, base = disk_dispatched_llama
     peft_model = _lora(model)
@@ -276,6 +285,7 @@ def test_get_peft_model_on_a_disk_dispatched_model_gives_the_base_logits(disk_di
     assert torch.equal(logits, base)  # lora_B starts at zero: the adapters add nothing yet
 
 
+@PENDING
 def test_dispatch_again_after_injecting_adapters(disk_dispatched_llama):
     model, base = disk_dispatched_llama
     peft_model = _lora(model)

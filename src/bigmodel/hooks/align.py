@@ -17,13 +17,9 @@ from torch import nn
 
 from ..core.devices import accelerator_count, accelerator_type
 from ..core.tensors import named_module_tensors
-from .align_hook import (
-    AlignDevicesHook,
-    OffloadedParameter,
-    has_offloaded_params,
-    offload_hook_of,
-)
+from .align_hook import AlignDevicesHook, has_offloaded_params, offload_hook_of
 from .moving import own_parameters_moved
+from .placeholders import OffloadedParameter
 from .registry import ModelHook, add_hook_to_module, remove_hook_from_module  # noqa: F401
 
 __all__ = [
