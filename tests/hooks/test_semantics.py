@@ -206,7 +206,6 @@ def test_device_moves_of_a_dispatched_model_with_offloaded_modules_stay_refused(
     assert torch.equal(model(X), Net()(X))  # a refused move changed nothing
 
 
-@PENDING
 @pytest.mark.parametrize("order", ["with_hook_then_cpu_offload", "cpu_offload_then_with_hook"])
 def test_offloading_again_with_the_other_entry_point(order):
     ref = Net()(X)
@@ -224,7 +223,6 @@ def test_offloading_again_with_the_other_entry_point(order):
     assert torch.equal(model(X), ref)
 
 
-@PENDING
 @pytest.mark.parametrize("kind", ["cpu_offload", "disk_offload"])
 def test_tied_names_share_one_parameter_after_whole_model_offload(kind, tmp_path):
     ref = TiedLM()(IDS)

@@ -30,6 +30,7 @@ __all__ = [
     "attach_align_device_hook_on_blocks",
     "attach_execution_device_hook",
     "has_offloaded_params",
+    "tie_offloaded",
 ]
 
 
@@ -247,6 +248,37 @@ def attach_align_device_hook_on_blocks(
     shared = _SharedSettings(weights_map, offload_buffers, skip_keys, preload_module_classes, tied_params_map)
     for block, plan in _plan_blocks(module, execution_device, offload, module_name):
         _apply_block(block, plan, shared)
+
+
+def tie_offloaded(model: nn.Module, tied: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Make every name of a tied group whose members are all offloaded hold one placeholder.
+
+    Between forwards ``model.lm_head.weight is model.embed.weight`` then holds as on the plain
+    model, and what is set on one name (``requires_grad``, dtype) holds for all.
+
+    Args:
+        model: the hooked model.
+        tied: groups of tied parameter names (:func:`~bigmodel.core.tensors.find_tied_parameters`).
+
+    Returns:
+        The groups with a member that is not offloaded (left as they are).
+    """
+    owners: dict[str, tuple[nn.Module, AlignDevicesHook, str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        hook = offload_hook_of(module)
+        if hook is not None:
+            owners.update((f"{prefix}.{name}" if prefix else name, (module, hook, name)) for name in hook.offloaded_names)
+    rest = []
+    for group in tied:
+        members = [owners.get(name) for name in group]
+        if not all(members):
+            rest.append(list(group))
+            continue
+        first_module, first_hook, first_name = members[0]  # type: ignore[misc]
+        shared = first_module.get_parameter(first_name)
+        for module, hook, name in members[1:]:  # type: ignore[misc]
+            hook.share_placeholder(module, name, shared)
+    return rest
 
 
 def _set_io_same_device(module: nn.Module) -> None:

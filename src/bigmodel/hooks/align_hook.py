@@ -200,6 +200,12 @@ class AlignDevicesHook(ModelHook):
                 self.tied_pointers_to_remove.add((value.data_ptr(), device))
             _assign(module, name, loaded)
 
+    def share_placeholder(self, module: nn.Module, name: str, placeholder: torch.Tensor) -> None:
+        """Hold ``placeholder`` for tensor ``name`` between forwards (tied names share one, as they shared
+        one Parameter); it must describe the same tensor (its value comes from this hook's weights map)."""
+        self._slots[name].placeholder = placeholder
+        _assign(module, name, placeholder)
+
     def unload_weights(self, module: nn.Module) -> None:
         """Put the meta placeholders back (the values' memory belongs to the weights map again)."""
         for name, slot in self._slots.items():
