@@ -48,7 +48,6 @@ def _logits(model) -> torch.Tensor:
         return model(IDS).logits
 
 
-@PENDING
 def test_disk_modules_of_a_bfloat16_load_compute_in_bfloat16(llama_folder, tmp_path):
     ref = load_checkpoint_and_dispatch(_empty_llama(llama_folder), llama_folder, device_map={"": "cpu"},
                                        dtype=torch.bfloat16)  # fmt: skip
@@ -99,7 +98,6 @@ def _counters_checkpoint(folder, steps_dtype=torch.int64):
     return model
 
 
-@PENDING
 def test_integer_buffer_of_a_disk_module_comes_back_with_the_checkpoint_value(tmp_path):
     plain = _counters_checkpoint(tmp_path / "ckpt")
     with init_empty_weights():
@@ -112,7 +110,6 @@ def test_integer_buffer_of_a_disk_module_comes_back_with_the_checkpoint_value(tm
     assert torch.equal(model.b.steps, torch.tensor([5, 6, 7, 8]))
 
 
-@PENDING
 @pytest.mark.parametrize("device_map", [None, {"a": "cpu", "b": "disk"}])
 def test_integer_buffer_stored_as_float_takes_the_model_dtype(device_map, tmp_path):
     plain = _counters_checkpoint(tmp_path / "ckpt", steps_dtype=torch.float16)
