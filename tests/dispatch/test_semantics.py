@@ -176,7 +176,6 @@ def _device_of(name: str, device_map: dict) -> object:
     return device_map[name]
 
 
-@pytest.mark.xfail(strict=False, reason="issue 12: fixed later on this branch")
 @pytest.mark.parametrize("no_split", [None, ["Scaled"]])
 @pytest.mark.parametrize("cpu_budget", [1300, 2300, 2700, 3500])
 def test_a_block_registered_under_several_names_is_planned_and_dispatched(cpu_budget, no_split, tmp_path):
