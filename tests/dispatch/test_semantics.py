@@ -228,7 +228,6 @@ class Net(nn.Module):
         return self.c(self.b(self.a(x)))
 
 
-@PENDING
 @pytest.mark.parametrize("second_map", [
     {"a": "cpu", "b": "disk", "c": "cpu"},
     {"a": "cpu", "b": "cpu", "c": "disk"},
@@ -244,7 +243,6 @@ def test_dispatch_again_without_offload_dir_reuses_the_weights_the_hooks_reach(s
     assert torch.equal(model(X8), ref)
 
 
-@PENDING
 def test_dispatch_again_without_offload_dir_keeps_modules_added_after_dispatch(tmp_path):
     model = dispatch_model(Net(), {"a": "cpu", "b": "disk", "c": "cpu"}, offload_dir=tmp_path / "offload")
     extra = nn.Linear(8, 8)
