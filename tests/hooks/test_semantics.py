@@ -21,8 +21,6 @@ from bigmodel import (
     remove_hook_from_submodules,
 )
 
-PENDING = pytest.mark.xfail(strict=True, reason="issue 12: fixed later on this branch")
-
 
 class Block(nn.Module):
     def __init__(self, dim: int = 8) -> None:
