@@ -21,7 +21,6 @@ from bigmodel import (
 )
 from bigmodel.hooks import AlignDevicesHook, SequentialHook
 
-
 # --------------------------------------------------------------------------- tiny transformers model
 
 LLAMA_MAP = {

@@ -22,8 +22,11 @@ def move_values(module: nn.Module, device: Any) -> nn.Module:
     The tensors move as ``Module.to`` moves them (Parameter objects kept).  A model whose parts
     are offloaded by other hooks (``cpu_offload`` then ``cpu_offload_with_hook``, or the reverse)
     moves its resident parts; the offloading hooks bring the others' values at their forwards.
+    The moved tensors stay in the module after the forward: they are never inference tensors,
+    even when the move happens inside ``torch.inference_mode()``.
     """
-    return type(module)._apply(module, lambda t: t if t.is_meta else t.to(device))
+    with torch.inference_mode(False):
+        return type(module)._apply(module, lambda t: t if t.is_meta else t.to(device))
 
 
 class CpuOffload(ModelHook):
@@ -92,9 +95,10 @@ class PinnedCpuOffload(CpuOffload):
             self._copies = CopyStream(self.execution_device)
         device = self._copies.device
         tensors = _own_tensors(module)
-        moved = self._copies.copy({n: t.detach() for n, t in tensors.items() if t.device != device}).wait()
-        for name, value in moved.items():
-            tensors[name].data = value
+        with torch.inference_mode(False):  # the copies stay in the module after the forward
+            moved = self._copies.copy({n: t.detach() for n, t in tensors.items() if t.device != device}).wait()
+            for name, value in moved.items():
+                tensors[name].data = value
         return send_to_device(args, device), send_to_device(kwargs, device)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from .forward import HookedForward, WeakBoundMethod
@@ -144,6 +145,13 @@ def is_patched(module: nn.Module, name: str) -> bool:
     return name in (module.__dict__.get(_PATCHES) or {})
 
 
+def _init(hook: ModelHook, module: nn.Module) -> nn.Module:
+    """``hook.init_hook(module)``; what it builds (weights maps, moved or pinned copies) outlives any
+    forward, so it is never made of inference tensors, even inside ``torch.inference_mode()``."""
+    with torch.inference_mode(False):
+        return hook.init_hook(module)
+
+
 def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False) -> nn.Module:
     """Attach ``hook`` to ``module``: its forward now runs through the hook.
 
@@ -159,12 +167,12 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
     existing = module.__dict__.get("_hf_hook")
     if "_old_forward" in module.__dict__ and existing is not None:
         if append:
-            module = hook.init_hook(module)
+            module = _init(hook, module)
             hook = SequentialHook(*iter_hooks(existing), hook) if isinstance(existing, SequentialHook) else SequentialHook(existing, hook)
             patch_attribute(module, "_hf_hook", hook)
             return module
         # Replacing: the previous forward wrapper stays; only the hook changes.
-        module = hook.init_hook(module)
+        module = _init(hook, module)
         patch_attribute(module, "_hf_hook", hook)
         return module
 
@@ -172,7 +180,7 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
         old_forward = module.__dict__["forward"]  # an instance-level forward someone set: keep it as is
     else:
         old_forward = WeakBoundMethod(module)
-    module = hook.init_hook(module)
+    module = _init(hook, module)
     patch_attribute(module, "_hf_hook", hook)
     patch_attribute(module, "_old_forward", old_forward)
     patch_attribute(module, "forward", HookedForward(module))
