@@ -39,6 +39,7 @@ from ..core.sizes import to_dtype
 from ..core.tensors import (
     device_of,
     find_tied_parameters,
+    hold_meta_placeholder,
     loaded_dtype,
     retie_parameters,
     set_module_tensor_to_device,
@@ -53,10 +54,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one model tensor goes: ``device`` (``"disk"`` included) and the dtype to store it in."""
+    """Where one model tensor goes: ``device`` (``"disk"`` included), the dtype to store it in, and
+    the dtype the model computes with (for ``"disk"``: the dtype of its ``meta`` placeholder)."""
 
     device: torch.device | str  # "disk" or a torch device
     dtype: torch.dtype
+    held_dtype: torch.dtype
 
 
 @dataclass
@@ -68,6 +71,7 @@ class _Plan:
     loaded: dict[Path, dict[str, torch.Tensor]] = field(default_factory=dict)  # mapped pickles, read once
     router: TensorRouter = field(default_factory=lambda: TensorRouter(None))  # checkpoint key → model names
     read_bytes: int = 0  # bytes of the checkpoint tensors read
+    placeholders: dict[int, torch.Tensor] = field(default_factory=dict)  # model tensor id → its meta placeholder
 
 
 def load_checkpoint_in_model(
@@ -254,7 +258,9 @@ def _make_plan(
         if source is None:
             continue
         device = _device_for(name, tensor, device_map, buffers, offload_buffers)
-        plan.targets[name] = _Target(device, _dtype_for(name, tensor, source, device, dtype, keep_in_fp32))
+        held = _dtype_for(name, tensor, source, "memory", dtype, keep_in_fp32)
+        stored = held if device != "disk" else _dtype_for(name, tensor, source, device, dtype, keep_in_fp32)
+        plan.targets[name] = _Target(device, stored, held)
     return plan
 
 
@@ -351,6 +357,7 @@ def _place(
             continue
         if target.device == "disk":
             _to_folder(writer, name, source_key, tensor, plan.infos[model_name], target, first)
+            hold_meta_placeholder(model, name, target.held_dtype, plan.placeholders)
             first = first or name
         elif spill is not None and tensor.dtype != target.dtype and target.device.type == "cpu":
             spill.write(name, tensor.to(target.dtype))
