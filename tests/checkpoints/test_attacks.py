@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-import bigmodel.offload.storage as offload_module
+import bigmodel.offload.writer as writer_module
 from bigmodel import (
     OffloadedWeightsLoader,
     align_module_device,
@@ -330,7 +330,7 @@ def _offload_then_fail(checkpoint, folder, monkeypatch, fail_on):
 
 
 def _fail_on_third_tensor(monkeypatch):
-    raw_bytes, calls = offload_module._raw_bytes, []
+    raw_bytes, calls = writer_module.raw_bytes, []
 
     def full(tensor):
         calls.append(1)
@@ -338,18 +338,18 @@ def _fail_on_third_tensor(monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return raw_bytes(tensor)
 
-    monkeypatch.setattr(offload_module, "_raw_bytes", full)
+    monkeypatch.setattr(writer_module, "raw_bytes", full)
 
 
 def _fail_on_index(monkeypatch):
-    atomic_write = offload_module._atomic_write
+    atomic_write = writer_module.atomic_write
 
     def full(path, write):
         if path.name == "index.json":
             raise OSError(errno.ENOSPC, "No space left on device")
         return atomic_write(path, write)
 
-    monkeypatch.setattr(offload_module, "_atomic_write", full)
+    monkeypatch.setattr(writer_module, "atomic_write", full)
 
 
 def test_disk_full_mid_offload_keeps_previous_index_and_checkpoint(tmp_path, checkpoint, monkeypatch):
@@ -373,7 +373,7 @@ def test_disk_full_while_writing_index_keeps_previous_offload_readable(tmp_path,
 def test_failure_writing_the_merged_index_never_leaves_an_entry_reading_other_bytes(tmp_path, monkeypatch):
     folder = tmp_path / "off"
     offload_state_dict(folder, {"kept": torch.ones(2), "replaced": torch.ones(3, dtype=torch.float16)})
-    atomic_write, index_writes = offload_module._atomic_write, []
+    atomic_write, index_writes = writer_module.atomic_write, []
 
     def second_index_write_fails(path, write):
         if path.name == "index.json":
@@ -382,7 +382,7 @@ def test_failure_writing_the_merged_index_never_leaves_an_entry_reading_other_by
                 raise OSError(errno.ENOSPC, "No space left on device")
         return atomic_write(path, write)
 
-    monkeypatch.setattr(offload_module, "_atomic_write", second_index_write_fails)
+    monkeypatch.setattr(writer_module, "atomic_write", second_index_write_fails)
     with pytest.raises(OSError, match="No space left"):
         offload_state_dict(folder, {"replaced": torch.full((3,), 2.0, dtype=torch.bfloat16)})
     monkeypatch.undo()
@@ -636,7 +636,7 @@ def test_dispatch_twice_with_disk(tmp_path):
     dispatch_model(model, {"a": "cpu", "b": "disk"}, offload_dir=tmp_path / "one")
     dispatch_model(model, {"a": "cpu", "b": "disk"}, offload_dir=tmp_path / "two")
     assert sorted(json.loads((tmp_path / "two" / "index.json").read_text())) == ["b.bias", "b.weight"]
-    assert len(offload_module.OffloadedWeightsLoader(save_folder=tmp_path / "two")) == 2
+    assert len(OffloadedWeightsLoader(save_folder=tmp_path / "two")) == 2
     assert model.b.weight.device.type == "meta"
     assert type(model.b._hf_hook).__name__ == "AlignDevicesHook"
     assert torch.equal(model(x), expected)
@@ -650,8 +650,8 @@ def test_failed_redispatch_leaves_a_working_model_and_hooks_remove_twice(tmp_pat
     x = torch.randn(2, 3)
     expected = model(x)
     dispatch_model(model, {"a": "cpu", "b": "disk"}, offload_dir=tmp_path / "one")
-    with pytest.raises(ValueError, match=r"on 'disk' but no offload_dir was given"):
-        dispatch_model(model, {"a": "cpu", "b": "disk"})  # refused before the old hooks are removed
+    with pytest.raises(ValueError, match=r"does not cover 2 parameters/buffers of BoomNet: b.weight, b.bias"):
+        dispatch_model(model, {"a": "cpu"})  # a map that misses b: refused before the old hooks are removed
     assert model.b.weight.device.type == "meta"  # still dispatched as before
     assert torch.equal(model(x), expected)
     remove_hook_from_submodules(model)

@@ -17,7 +17,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bigmodel import OffloadedWeightsLoader, init_empty_weights, load_checkpoint_and_dispatch, load_checkpoint_in_model
+from bigmodel import (
+    OffloadedWeightsLoader,
+    init_empty_weights,
+    load_checkpoint_and_dispatch,
+    load_checkpoint_in_model,
+)
 
 
 class Net(nn.Module):

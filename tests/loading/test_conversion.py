@@ -12,7 +12,7 @@ from torch import nn
 
 from bigmodel import init_empty_weights
 from bigmodel.loading.conversion import KeyConversion, TensorRecipe
-from bigmodel.loading.loader import load_converted_checkpoint
+from bigmodel.loading.converted import load_converted_checkpoint
 
 
 class Experts(nn.Module):

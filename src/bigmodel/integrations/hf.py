@@ -293,7 +293,7 @@ def load_pretrained(
             and its largest layer are).  All before any weight is loaded.
     """
     from ..dispatch.dispatch import dispatch_model
-    from ..loading.loader import load_converted_checkpoint
+    from ..loading.converted import load_converted_checkpoint
 
     folder = resolve_model_folder(path)
     files = resolve_checkpoint_files(folder)  # fail before building when there are no weights

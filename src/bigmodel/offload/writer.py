@@ -1,0 +1,139 @@
+"""Writing an offload folder: atomic file writes, the index, and :class:`OffloadWriter` (stage, then commit)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .format import INDEX_NAME, dat_path, dtype_name, load_offload_index
+
+__all__ = ["OffloadWriter", "atomic_write", "raw_bytes", "write_index"]
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Write ``path`` through a temporary file in the same folder and ``os.replace`` it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def raw_bytes(weight: torch.Tensor):
+    """The tensor's bytes in C order as a numpy uint8 array (works for every dtype)."""
+    flat = weight.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else b""
+
+
+def write_index(index: Mapping[str, dict], folder: Path) -> None:
+    text = json.dumps(index, indent=2, sort_keys=True).encode()
+    atomic_write(folder / INDEX_NAME, lambda f: f.write(text))
+
+
+
+class OffloadWriter:
+    """Stages tensors for an offload folder, then commits ``index.json`` atomically.
+
+    ``.dat`` files are written under temporary names.  :meth:`commit` first drops from the
+    index the entries whose files are about to be replaced, then renames the files, then
+    writes the merged index: at every instant each index entry describes its file's bytes,
+    and a failure before the commit leaves the previous index (and its files) untouched.
+
+    Args:
+        folder: the offload folder (created if needed).
+
+    Raises:
+        PermissionError: the folder cannot be created or written (names the path and the fix).
+    """
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        if self.folder.exists() and not self.folder.is_dir():
+            raise PermissionError(
+                f"Offload folder {str(self.folder)!r} is not writable: it is a file, not a folder; pass an "
+                "offload_folder that names a folder (it is created if missing)."
+            )
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=self.folder, prefix=".bigmodel-probe-")
+            probe.close()
+        except OSError as err:
+            raise PermissionError(
+                f"Offload folder {str(self.folder)!r} is not writable ({err.strerror or err}); "
+                "pass an offload_folder you can write to."
+            ) from err
+        self.index: dict[str, dict] = {}
+        self._staged: dict[str, Path] = {}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Stage ``tensor`` as ``<name>.dat``.
+
+        Raises:
+            ValueError: ``name`` would leave the folder (see :func:`dat_path`).
+        """
+        path = dat_path(self.folder, name, create=True)
+        data = raw_bytes(tensor)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        self._staged[name] = Path(tmp)
+        with os.fdopen(fd, "wb") as f:
+            f.write(memoryview(data))
+        self.index[name] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+
+    def duplicate(self, name: str, source: str) -> None:
+        """Make ``name`` hold the same data as the already staged/pointed ``source`` (tied weights)."""
+        entry = dict(self.index[source])
+        if source in self._staged:
+            path = dat_path(self.folder, name, create=True)
+            tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(self._staged[source], tmp)
+            except OSError:
+                shutil.copyfile(self._staged[source], tmp)
+            self._staged[name] = tmp
+        self.index[name] = entry
+
+    def point(
+        self, name: str, safetensors_file: Path, weight_name: str, dtype: torch.dtype, shape: Iterable[int]
+    ) -> None:
+        """Record ``name`` as a view into an existing safetensors file (nothing is written)."""
+        self.index[name] = {
+            "safetensors_file": str(Path(safetensors_file).resolve()),
+            "weight_name": weight_name,
+            "dtype": dtype_name(dtype),
+            "shape": list(shape),
+        }
+
+    def commit(self) -> None:
+        """Move the staged ``.dat`` files into place, then replace ``index.json`` (merged).
+
+        Entries of the previous index whose files are replaced are first dropped from it (one
+        atomic write), so no index ever describes a file holding other bytes.
+        """
+        previous = load_offload_index(self.folder)
+        replaced = [name for name in self._staged if name in previous]
+        if replaced:
+            write_index({k: v for k, v in previous.items() if k not in self._staged}, self.folder)
+        for name, tmp in list(self._staged.items()):
+            os.replace(tmp, dat_path(self.folder, name))
+            del self._staged[name]
+        previous.update(self.index)
+        write_index(previous, self.folder)
+
+    def abort(self) -> None:
+        """Delete the staged files; the folder's index is left as it was."""
+        for tmp in self._staged.values():
+            tmp.unlink(missing_ok=True)
+        self._staged.clear()
