@@ -74,3 +74,28 @@ def test_a_device_budgeted_twice_is_refused(items):
 
 def test_distinct_budgets_still_parse():
     assert parse_max_memory(["cpu=1GB", "0=2GiB", "disk=1TB"]) == {"cpu": 10**9, 0: 2 * 2**30, "disk": 10**12}
+
+
+CONFIGS = {
+    "deeply-nested": ("[" * 100_000, r"Cannot read the model config in '.*deep'"),  # was a RecursionError traceback
+    "field-of-wrong-type": (
+        '{"model_type": "llama", "hidden_size": "x"}',
+        r"Cannot read the model config in '.*wrong'.*hidden_size",  # was huggingface_hub's StrictDataclassError
+    ),
+}
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_a_bad_config_is_the_cli_error_line(case, command, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("BIGMODEL_DEBUG", raising=False)
+    text, message = CONFIGS[case]
+    folder = tmp_path / ("deep" if case == "deeply-nested" else "wrong")
+    folder.mkdir()
+    (folder / "config.json").write_text(text)
+    assert main([command, str(folder)]) == 2
+    captured = capsys.readouterr()
+    lines = _error_lines(captured.err)
+    assert len(lines) == 1 and captured.err.strip().splitlines()[-1] == lines[0], captured.err
+    assert re.search(message, lines[0]), lines[0]
