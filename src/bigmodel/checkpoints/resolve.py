@@ -26,6 +26,7 @@ SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".index.json"
 JSON_SUFFIX = ".json"
 HUB_REPO_PREFIX = "models--"
+WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, JSON_SUFFIX, *PICKLE_SUFFIXES)
 # The names transformers writes; in a folder with several candidates, one of these wins.
 STANDARD_NAMES = (
     "model.safetensors.index.json",
@@ -50,16 +51,23 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
         each under its own name (a link in a hub snapshot is not replaced by its blob).
 
     Raises:
-        FileNotFoundError: the checkpoint, or a shard named by its index, does not exist.
-        ValueError: unknown file type; a folder with no or several candidates (names them);
+        FileNotFoundError: the checkpoint, or a shard named by its index, does not exist (a
+            dangling or looping link is named as such).
+        ValueError: unknown file type; a path that is not a regular file (a pipe or device,
+            which could block the read forever); a folder with no or several candidates (names them);
             an index entry whose shard path leaves the checkpoint folder (names the entry);
             a file of a hub snapshot linking outside its repo folder (names the file).
     """
     path = Path(checkpoint)
     if not path.exists():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist; pass a weights file, an index or a folder.")
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist; {_broken_link_hint(path)}")
     if path.is_dir():
         path = _pick_in_folder(path)
+    elif not path.is_file():
+        raise ValueError(
+            f"Checkpoint {str(path)!r} is not a regular file (a pipe, socket or device); pass a weights file, "
+            "an index or a folder."
+        )
     path = path.parent.resolve() / path.name
     repo = hub_repo_folder(path.parent)
     if path.suffix in (JSON_SUFFIX, SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES) and repo is not None:
@@ -70,6 +78,20 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
         return [path]
     raise ValueError(
         f"Checkpoint file {str(path)!r} has an unknown type; expected .safetensors, .bin, .pt, .pth or a .json index."
+    )
+
+
+def _broken_link_hint(path: Path) -> str:
+    """What to do about a path that does not exist: a dangling or looping link is told apart."""
+    if not path.is_symlink():
+        return "pass a weights file, an index or a folder."
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return (
+        f"it is a symbolic link to {target!r}, which is missing or loops (in a hub cache: the blob was deleted "
+        "or never downloaded); download the file again or pass another checkpoint."
     )
 
 
@@ -99,7 +121,11 @@ def check_hub_link(path: Path, repo: Path, entry: str | None = None) -> None:
 
 def _pick_in_folder(folder: Path) -> Path:
     """The one index or weights file of a folder, safetensors first, standard names before others."""
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    entries = sorted(folder.iterdir())
+    names = [p.name for p in entries if p.is_file()]
+    broken = [p for p in entries if p.is_symlink() and not p.exists() and p.name.endswith(WEIGHT_SUFFIXES)]
+    if broken:
+        raise FileNotFoundError(f"Checkpoint file {str(broken[0])!r} does not exist; {_broken_link_hint(broken[0])}")
     tiers = [
         [n for n in names if n.endswith(SAFETENSORS_SUFFIX + INDEX_SUFFIX)],
         [n for n in names if n.endswith(SAFETENSORS_SUFFIX)],
@@ -127,7 +153,7 @@ def _read_weight_map(index_path: Path) -> Mapping:
     """The ``weight_map`` of an index, or the index itself when it is a plain name → file mapping."""
     try:
         index = json.loads(index_path.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise ValueError(f"Index {str(index_path)!r} is not a sharded-checkpoint index (invalid JSON: {err}).") from err
     if not isinstance(index, Mapping):
         raise ValueError(
@@ -157,10 +183,10 @@ def _index_shards(index_path: Path, repo: Path | None) -> list[Path]:
     for key, shard in weight_map.items():
         if isinstance(shard, str) and shard in shards:
             continue
-        if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+        if not _is_relative_name(shard):
             raise ValueError(
                 f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r} outside the checkpoint folder; "
-                "shard paths must be file names relative to the index's folder."
+                "shard paths must be file names relative to the index's folder (no '..', no NUL byte)."
             )
         path = folder / shard
         if repo is not None:
@@ -177,3 +203,10 @@ def _index_shards(index_path: Path, repo: Path | None) -> list[Path]:
             )
         shards[shard] = path
     return list(shards.values())
+
+
+def _is_relative_name(shard: object) -> bool:
+    """True for a non-empty relative path with no ``..`` part and no NUL byte."""
+    if not isinstance(shard, str) or not shard or "\0" in shard:
+        return False
+    return not Path(shard).is_absolute() and ".." not in Path(shard).parts

@@ -14,7 +14,8 @@ def parse_max_memory(items: list[str] | None) -> dict[int | str, int] | None:
     """``["cpu=2GiB", "0=20GB", "disk=1TB"]`` → ``{"cpu": 2147483648, 0: 20000000000, "disk": ...}``.
 
     Raises:
-        ValueError: an item is not ``DEVICE=SIZE`` or names a bad device or size (names the item).
+        ValueError: an item is not ``DEVICE=SIZE``, names a bad device or size, or a device already
+            budgeted (``cpu=1GB cpu=2GB``, ``0=1GB cuda:0=2GB``) (names the item).
     """
     if not items:
         return None
@@ -24,9 +25,13 @@ def parse_max_memory(items: list[str] | None) -> dict[int | str, int] | None:
         if not sep or not device or not size:
             raise ValueError(f"--max-memory item {item!r} is not DEVICE=SIZE; write e.g. cpu=2GiB, 0=20GB or disk=1TB.")
         try:
-            budgets[normalize_device(device)] = convert_file_size_to_int(size)
+            key = normalize_device(device)
+            nbytes = convert_file_size_to_int(size)
         except ValueError as error:
             raise ValueError(f"--max-memory item {item!r}: {error}") from error
+        if key in budgets:
+            raise ValueError(f"--max-memory item {item!r} budgets {key!r} a second time; give each device once.")
+        budgets[key] = nbytes
     return budgets
 
 

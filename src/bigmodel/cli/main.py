@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from .generate_cmd import add_generate_parser
 from .inspect_cmds import add_estimate_parser, add_plan_parser
@@ -20,9 +21,17 @@ from .inspect_cmds import add_estimate_parser, add_plan_parser
 USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one ``bigmodel: error: ...`` line, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as the CLI's one error line (naming ``--help`` for the fix) and exit 2."""
+        self.exit(2, f"bigmodel: error: {_one_line(message)}; see `{self.prog} --help`.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with the ``generate``, ``estimate`` and ``plan`` subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="bigmodel",
         description="Run PyTorch models larger than the memory of any one device.",
     )
@@ -42,7 +51,7 @@ def _setup_logging(verbosity: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException | str) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
@@ -52,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
+        print("bigmodel: error: no command given; run `bigmodel generate`, `bigmodel estimate MODEL` or "
+              "`bigmodel plan MODEL`.", file=sys.stderr)  # fmt: skip
         return 2
     _setup_logging(args.verbose)
     try:

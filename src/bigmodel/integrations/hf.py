@@ -89,7 +89,8 @@ def load_config(path: str | os.PathLike) -> Any:
 
     Raises:
         FileNotFoundError: no config.json (see :func:`resolve_model_folder`).
-        ValueError: the config cannot be parsed by transformers (names the file).
+        ValueError: the config cannot be parsed by transformers: invalid or too deeply nested
+            JSON, unknown model type, a field of the wrong type (names the file).
     """
     transformers = require_transformers()
     folder = resolve_model_folder(path)
@@ -101,11 +102,18 @@ def load_config(path: str | os.PathLike) -> Any:
                 raise ValueError("no 'model_type' key")
             return transformers.AutoConfig.for_model(model_type, **data)
         return transformers.AutoConfig.from_pretrained(str(folder))
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as error:
+    except (ValueError, KeyError, TypeError, OSError, RecursionError, *_hub_config_errors()) as error:
         raise ValueError(
             f"Cannot read the model config in {str(folder)!r} ({_brief(error)}); check that it is a transformers "
             "config.json with a known 'model_type'."
         ) from error
+
+
+def _hub_config_errors() -> tuple[type[BaseException], ...]:
+    """huggingface_hub's error for a config field of the wrong type (``"hidden_size": "x"``), where it has one."""
+    errors = importlib.import_module("huggingface_hub.errors")
+    error = getattr(errors, "StrictDataclassError", None)
+    return (error,) if isinstance(error, type) else ()
 
 
 def _brief(error: BaseException, limit: int = 160) -> str:

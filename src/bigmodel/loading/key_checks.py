@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from ..checkpoints.files import TensorInfo
+from ..core.devices import DeviceSpec, accelerator_count, accelerator_type, normalize_device, torch_device
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +59,28 @@ def check_shapes(
             f"Shape mismatch between the checkpoint and the model for {len(bad)} tensor(s): {listed(bad)}. "
             "Build the model from the checkpoint's config."
         )
+
+
+def placeable_device(name: str, device: DeviceSpec) -> torch.device:
+    """The torch device a device map gives tensor ``name``, checked to exist on this machine.
+
+    Raises:
+        ValueError: the spec is not a device, or names an accelerator type or index this
+            machine does not have (names the tensor, the device and the fix), so that a bad
+            map fails before any tensor is placed rather than halfway through the load.
+    """
+    try:
+        normalize_device(device)
+        target = torch_device(device)
+    except ValueError as err:
+        raise ValueError(f"The device map puts {name!r} on {device!r}: {err}") from err
+    if target.type in ("cpu", "meta"):
+        return target
+    kind, count = accelerator_type(), accelerator_count()
+    if kind is None or target.type != kind or (target.index or 0) >= count:
+        have = f"{count} {kind} device(s), 0 to {count - 1}" if kind is not None and count else "no accelerator"
+        raise ValueError(
+            f"The device map puts {name!r} on {device!r}, but this machine has {have}; map it to an existing "
+            "device, 'cpu' or 'disk'."
+        )
+    return target

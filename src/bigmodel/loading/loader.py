@@ -33,7 +33,7 @@ from ..checkpoints.files import (
     read_tensor_infos,
     resolve_checkpoint_files,
 )
-from ..core.devices import DeviceSpec, normalize_device, torch_device
+from ..core.devices import DeviceSpec
 from ..core.progress import ByteProgress
 from ..core.sizes import to_dtype
 from ..core.tensors import (
@@ -47,7 +47,7 @@ from ..core.tensors import (
 from ..offload.format import files_no_offload_wrote
 from ..offload.storage import OffloadWriter, dat_path, load_offloaded_weight
 from .conversion import KeyConversion, TensorRouter, convert_infos
-from .key_checks import check_shapes, listed, report_keys
+from .key_checks import check_shapes, listed, placeable_device, report_keys
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +238,7 @@ def _device_for(
     device = device_of(name, device_map)
     if device == "disk":
         return torch.device("cpu") if name in buffers and not offload_buffers else "disk"
-    normalize_device(device)  # ValueError naming a bad spec, before anything is placed
-    return torch_device(device)
+    return placeable_device(name, device)  # ValueError naming a bad or absent device, before anything is placed
 
 
 def _dtype_for(
