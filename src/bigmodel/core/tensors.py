@@ -72,6 +72,23 @@ def get_submodule_and_name(module: nn.Module, tensor_name: str) -> tuple[nn.Modu
         raise AttributeError(f"{type(module).__name__} has no submodule {path!r} (looking up {tensor_name!r})") from err
 
 
+
+def retype_meta_tensor(module: nn.Module, tensor_name: str, dtype: torch.dtype | None) -> None:
+    """Give a floating meta tensor of ``module`` (a disk placeholder) the dtype ``dtype``, in place.
+
+    The parameter object stays the same, so parameters tied to it stay tied.  Tensors that are
+    not on ``meta``, non-floating ones and ``dtype=None`` are left as they are.
+
+    Args:
+        module: the model.
+        tensor_name: the tensor's dotted name in ``module`` (``"lm_head.weight"``).
+        dtype: the floating dtype the placeholder takes.
+    """
+    owner, name = get_submodule_and_name(module, tensor_name)
+    tensor = getattr(owner, name)
+    if dtype is not None and tensor.device.type == "meta" and tensor.is_floating_point() and tensor.dtype != dtype:
+        tensor.data = torch.empty_like(tensor, dtype=dtype)
+
 def _cast(value: torch.Tensor, old: torch.Tensor | None, dtype: torch.dtype | None, non_blocking: bool) -> torch.Tensor:
     """Floating values take ``dtype`` (or the old tensor's floating dtype); int/bool values keep theirs."""
     if not value.is_floating_point():

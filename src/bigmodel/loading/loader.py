@@ -16,6 +16,7 @@ model's names (a :class:`bigmodel.loading.conversion.KeyConversion` maps them).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -41,6 +42,7 @@ from ..core.tensors import (
     find_tied_parameters,
     loaded_dtype,
     retie_parameters,
+    retype_meta_tensor,
     set_module_tensor_to_device,
 )
 from ..offload.format import files_no_offload_wrote
@@ -57,6 +59,7 @@ class _Target:
 
     device: torch.device | str  # "disk" or a torch device
     dtype: torch.dtype
+    meta_dtype: torch.dtype | None = None  # disk: the placeholder's dtype, the one its forward computes in
 
 
 @dataclass
@@ -94,7 +97,7 @@ def load_checkpoint_in_model(
         device_map: module/tensor name → device (``"disk"`` → ``offload_folder``).  Without a
             map, each tensor goes to the device of the model's tensor (CPU for ``meta``).
             Tensors placed in memory take the model's floating dtype (or ``dtype``); tensors
-            mapped to disk keep the checkpoint's, cast when the offload hook loads them.
+            mapped to disk are computed in that dtype too (their meta placeholders take it).
             CPU tensors in the checkpoint's dtype are memory-mapped views of its files (no
             copy): do not overwrite those files while the model is alive.
         offload_folder: where ``"disk"`` tensors go (``index.json`` + ``.dat`` files, or
@@ -254,7 +257,7 @@ def _make_plan(
         if source is None:
             continue
         device = _device_for(name, tensor, device_map, buffers, offload_buffers)
-        plan.targets[name] = _Target(device, _dtype_for(name, tensor, source, device, dtype, keep_in_fp32))
+        plan.targets[name] = _target_for(name, tensor, source, device, dtype, keep_in_fp32)
     return plan
 
 
@@ -274,23 +277,20 @@ def _device_for(
     return torch_device(device)
 
 
-def _dtype_for(
-    name: str,
-    tensor: torch.Tensor,
-    source: TensorInfo,
-    device: object,
-    dtype: torch.dtype | None,
-    keep_in_fp32: Sequence[str],
-) -> torch.dtype:
-    """The dtype a tensor is stored in (see :func:`bigmodel.core.tensors.loaded_dtype`).
+def _target_for(
+    name: str, tensor: torch.Tensor, source: TensorInfo, device: object, dtype: torch.dtype | None, fp32: Sequence[str]
+) -> _Target:
+    """Where a tensor goes and its dtypes (the rule of :func:`bigmodel.core.tensors.loaded_dtype`).
 
-    Tensors placed in memory take the model's floating dtype, as ``set_module_tensor_to_device``
-    does; tensors mapped to disk keep the checkpoint's (so a safetensors file is used in place),
-    and the offload hook casts them to the model's dtype when it loads them for a forward.
+    In memory: the model's floating dtype (or ``dtype``), as ``set_module_tensor_to_device`` does.
+    On disk: stored in the checkpoint's dtype unless ``dtype``/``keep_in_fp32`` say otherwise (so
+    a safetensors file is used in place); the meta placeholder takes the in-memory dtype, which
+    the offload hook casts to for a forward (``dtype=torch.bfloat16`` computes in bf16 on disk too).
     """
-    return loaded_dtype(
-        name, source.dtype, tensor, dtype=dtype, keep_in_fp32=keep_in_fp32, use_model_dtype=device != "disk"
-    )
+    rule = functools.partial(loaded_dtype, name, source.dtype, tensor, dtype=dtype, keep_in_fp32=fp32)
+    if device != "disk":
+        return _Target(device, rule(use_model_dtype=True))
+    return _Target(device, rule(use_model_dtype=False), rule(use_model_dtype=True))
 
 
 def _disk_writer(
@@ -351,6 +351,7 @@ def _place(
             continue
         if target.device == "disk":
             _to_folder(writer, name, source_key, tensor, plan.infos[model_name], target, first)
+            retype_meta_tensor(model, name, target.meta_dtype)
             first = first or name
         elif spill is not None and tensor.dtype != target.dtype and target.device.type == "cpu":
             spill.write(name, tensor.to(target.dtype))
