@@ -34,6 +34,7 @@ from ..checkpoints.files import (
     resolve_checkpoint_files,
 )
 from ..core.devices import DeviceSpec, normalize_device, torch_device
+from ..core.file_maps import is_mapped
 from ..core.progress import ByteProgress
 from ..core.sizes import to_dtype
 from ..core.tensors import (
@@ -95,8 +96,10 @@ def load_checkpoint_in_model(
             map, each tensor goes to the device of the model's tensor (CPU for ``meta``).
             Tensors placed in memory take the model's floating dtype (or ``dtype``); tensors
             mapped to disk keep the checkpoint's, cast when the offload hook loads them.
-            CPU tensors in the checkpoint's dtype are memory-mapped views of its files (no
-            copy): do not overwrite those files while the model is alive.
+            CPU tensors in a safetensors checkpoint's dtype are memory-mapped views of its
+            files (no copy) where the mapping is protected against the file being rewritten
+            (see :mod:`bigmodel.core.file_maps`), else copies; tensors of ``.bin`` pickles are
+            always copies, so saving over the checkpoint is safe.
         offload_folder: where ``"disk"`` tensors go (``index.json`` + ``.dat`` files, or
             pointers into the safetensors checkpoint when the dtype is unchanged).  It may be
             the checkpoint's own folder: the offload files are added there, and a file that
@@ -345,6 +348,7 @@ def _place(
 ) -> None:
     """Send one model tensor (and the tied names it also fills) to its device, the folder or the spill."""
     first: str | None = None
+    resident: torch.Tensor | None = None
     for name in (model_name, *plan.aliases.get(model_name, ())):
         target = plan.targets.get(name)
         if target is None:
@@ -355,7 +359,22 @@ def _place(
         elif spill is not None and tensor.dtype != target.dtype and target.device.type == "cpu":
             spill.write(name, tensor.to(target.dtype))
         else:
-            set_module_tensor_to_device(model, name, target.device, value=tensor, dtype=target.dtype, clear_cache=False)
+            resident = _unmapped_pickle(tensor, plan.infos[model_name], target) if resident is None else resident
+            set_module_tensor_to_device(model, name, target.device, value=resident, dtype=target.dtype, clear_cache=False)
+
+
+def _unmapped_pickle(tensor: torch.Tensor, info: TensorInfo, target: _Target) -> torch.Tensor:
+    """A pickle's tensor that would stay a view of its mapped file on CPU, copied into memory.
+
+    ``torch.save`` over the source ``.bin`` truncates it before reading the tensors it saves, and
+    holds the GIL meanwhile, so no lease could let a mapping of it survive: pickles are copied,
+    as the incumbent does.  Safetensors views stay (their mappings are protected).
+    """
+    if info.is_safetensors or not is_mapped(tensor) or target.device.type != "cpu":
+        return tensor
+    if tensor.is_floating_point() and tensor.dtype != target.dtype:
+        return tensor  # the cast to the target dtype makes the copy
+    return tensor.clone()
 
 
 def _to_folder(
