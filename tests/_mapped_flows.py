@@ -118,7 +118,8 @@ def _save_over(model: nn.Module, path: Path, expected: dict, result: dict) -> No
             break
         except Exception as err:
             result["save_errors"].append(f"{type(err).__name__}: {err}")
-    saved = torch.load(path, weights_only=True)
+    with open(path, "rb") as f:  # a file object: torch.load would read a *.safetensors path as safetensors
+        saved = torch.load(f, weights_only=True)
     result["saved_equal"] = saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
 
 
