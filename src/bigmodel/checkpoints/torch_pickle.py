@@ -22,15 +22,20 @@ from ..core.file_maps import attach, hold, release
 logger = logging.getLogger(__name__)
 
 
-def load_torch_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Load a torch pickle with ``weights_only=True`` (memory-mapped when it is a zip file and the map is protected).
+def load_torch_file(path: str | os.PathLike, mmap: bool | None = None) -> dict[str, torch.Tensor]:
+    """Load a torch pickle with ``weights_only=True``.
+
+    Args:
+        path: the file.
+        mmap: ``False`` reads every tensor into memory; ``None`` maps a zip file where the
+            mapping is protected (:func:`bigmodel.core.file_maps.hold`) and reads it otherwise.
 
     Raises:
         pickle.UnpicklingError: the pickle would need to run code (names the file and the fix).
         ValueError: the file is corrupted or not a torch checkpoint of tensors.
     """
     path = Path(path)
-    guard = hold(path) if zipfile.is_zipfile(path) else None
+    guard = hold(path) if mmap is not False and zipfile.is_zipfile(path) else None
     try:
         tensors = _load(path, mmap=guard is not None)
         if guard is not None:

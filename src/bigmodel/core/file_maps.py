@@ -17,7 +17,8 @@ bytes.  So a file is mapped only when the mapping is *protected*:
 ``map`` (map even unprotected, zero-copy everywhere: a rewrite in place can then kill the process).
 
 Every mapping made here is registered (:func:`is_mapped`), and a file's lease is released when
-the last tensor viewing it is freed.
+the last tensor viewing it is freed.  Importing this module installs the lease-break handler (on
+a free real-time signal) when it is imported in the main thread.
 """
 
 from __future__ import annotations
@@ -304,3 +305,8 @@ def _rescue_breaking() -> None:
             f"{lost} were truncated before the weights mapping them could be copied into memory, so some "
             "weights now read as zeros; load the model again from a complete checkpoint."
         )
+
+
+# Installed at import (normally in the main thread, the only one that may install it), so that
+# models loaded later from any thread can take leases.
+leases.install_handler(_on_break)

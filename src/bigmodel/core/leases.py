@@ -148,6 +148,8 @@ def take_lease(path: str) -> tuple[Lease | None, str]:
     signum = _state["signal"]
     if signum is None:
         return None, "no lease-break handler (bigmodel was first used outside the main thread)"
+    if signal.getsignal(signum) is not _on_signal:  # a lease signal without its handler would kill the process
+        return None, f"the application replaced bigmodel's handler of signal {signum}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:

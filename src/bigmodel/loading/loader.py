@@ -34,7 +34,6 @@ from ..checkpoints.files import (
     resolve_checkpoint_files,
 )
 from ..core.devices import DeviceSpec, normalize_device, torch_device
-from ..core.file_maps import is_mapped
 from ..core.progress import ByteProgress
 from ..core.sizes import to_dtype
 from ..core.tensors import (
@@ -45,9 +44,10 @@ from ..core.tensors import (
     set_module_tensor_to_device,
 )
 from ..offload.format import files_no_offload_wrote
-from ..offload.storage import OffloadWriter, dat_path, load_offloaded_weight
+from ..offload.storage import OffloadWriter
 from .conversion import KeyConversion, TensorRouter, convert_infos
 from .key_checks import check_shapes, listed, report_keys
+from .resident import bring_back, read_whole_pickles, unmapped
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +96,8 @@ def load_checkpoint_in_model(
             map, each tensor goes to the device of the model's tensor (CPU for ``meta``).
             Tensors placed in memory take the model's floating dtype (or ``dtype``); tensors
             mapped to disk keep the checkpoint's, cast when the offload hook loads them.
-            CPU tensors in a safetensors checkpoint's dtype are memory-mapped views of its
-            files (no copy) where the mapping is protected against the file being rewritten
-            (see :mod:`bigmodel.core.file_maps`), else copies; tensors of ``.bin`` pickles are
-            always copies, so saving over the checkpoint is safe.
+            CPU tensors of safetensors files are zero-copy views, protected against the files
+            being rewritten (:mod:`bigmodel.core.file_maps`); those of pickles are copies.
         offload_folder: where ``"disk"`` tensors go (``index.json`` + ``.dat`` files, or
             pointers into the safetensors checkpoint when the dtype is unchanged).  It may be
             the checkpoint's own folder: the offload files are added there, and a file that
@@ -198,7 +196,7 @@ def _load(
             writer.commit()
         if spill is not None:
             spill.commit()
-            _bring_back(model, spill)
+            bring_back(model, spill)
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -327,6 +325,7 @@ def _stream(
     model: nn.Module, files: list[Path], plan: _Plan, writer: OffloadWriter | None, spill: OffloadWriter | None
 ) -> None:
     """Read the checkpoint tensor by tensor and send each to its device, the offload folder or the spill."""
+    read_whole_pickles(plan.infos, plan.targets, plan.loaded, capped=spill is not None)
     with ByteProgress(plan.read_bytes, "Loading checkpoint") as bar:
         for key, stored in iter_checkpoint_tensors(files, plan.loaded):
             for model_name, tensor, source_key in plan.router.route(key, stored):
@@ -348,8 +347,9 @@ def _place(
 ) -> None:
     """Send one model tensor (and the tied names it also fills) to its device, the folder or the spill."""
     first: str | None = None
-    resident: torch.Tensor | None = None
-    for name in (model_name, *plan.aliases.get(model_name, ())):
+    names = (model_name, *plan.aliases.get(model_name, ()))
+    resident = unmapped(tensor, plan.infos[model_name], [plan.targets.get(n) for n in names])
+    for name in names:
         target = plan.targets.get(name)
         if target is None:
             continue
@@ -359,22 +359,7 @@ def _place(
         elif spill is not None and tensor.dtype != target.dtype and target.device.type == "cpu":
             spill.write(name, tensor.to(target.dtype))
         else:
-            resident = _unmapped_pickle(tensor, plan.infos[model_name], target) if resident is None else resident
             set_module_tensor_to_device(model, name, target.device, value=resident, dtype=target.dtype, clear_cache=False)
-
-
-def _unmapped_pickle(tensor: torch.Tensor, info: TensorInfo, target: _Target) -> torch.Tensor:
-    """A pickle's tensor that would stay a view of its mapped file on CPU, copied into memory.
-
-    ``torch.save`` over the source ``.bin`` truncates it before reading the tensors it saves, and
-    holds the GIL meanwhile, so no lease could let a mapping of it survive: pickles are copied,
-    as the incumbent does.  Safetensors views stay (their mappings are protected).
-    """
-    if info.is_safetensors or not is_mapped(tensor) or target.device.type != "cpu":
-        return tensor
-    if tensor.is_floating_point() and tensor.dtype != target.dtype:
-        return tensor  # the cast to the target dtype makes the copy
-    return tensor.clone()
 
 
 def _to_folder(
@@ -396,13 +381,6 @@ def _to_folder(
         writer.point(name, info.file, key, tensor.dtype, tensor.shape)
     else:
         writer.write(name, tensor.to(target.dtype))
-
-
-def _bring_back(model: nn.Module, spill: OffloadWriter) -> None:
-    """Map the spilled CPU tensors back into the model (zero-copy views of the spill files)."""
-    for name, info in spill.index.items():
-        value = load_offloaded_weight(dat_path(spill.folder, name), info)
-        set_module_tensor_to_device(model, name, "cpu", value=value, dtype=value.dtype, clear_cache=False)
 
 
 def _retie(model: nn.Module, plan: _Plan) -> None:
