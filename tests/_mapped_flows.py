@@ -129,6 +129,8 @@ def flow_net(flow: str, fmt: str, how: str, work: Path, result: dict) -> None:
     device_map = {"a": "cpu", "b": "disk", "c": "cpu"} if flow == "offload" else {"": "cpu"}
     offload = work / "offload" if flow == "offload" else None
     if flow == "thread":
+        import bigmodel  # noqa: F401  (imported by the main thread, as an application does; loaded by a worker)
+
         box: list = []
         worker = threading.Thread(target=lambda: box.append(_load_net(path, device_map)))
         worker.start()

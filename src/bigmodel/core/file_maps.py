@@ -17,8 +17,8 @@ bytes.  So a file is mapped only when the mapping is *protected*:
 ``map`` (map even unprotected, zero-copy everywhere: a rewrite in place can then kill the process).
 
 Every mapping made here is registered (:func:`is_mapped`), and a file's lease is released when
-the last tensor viewing it is freed.  Importing this module installs the lease-break handler (on
-a free real-time signal) when it is imported in the main thread.
+the last tensor viewing it is freed.  ``import bigmodel`` installs the lease-break handler (on a
+free real-time signal) when it runs in the main thread.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _new_entry(path: Path, key: tuple[int, int], mode: str) -> MappedFile | None
     if not leases.supported():
         reason = "this OS has no file leases to protect a mapping"
         lease = None
-    elif not leases.install_handler(_on_break):
+    elif not leases.install_handler():
         reason = "bigmodel was first used outside the main thread, which alone can take lease signals"
         lease = None
     elif sum(1 for e in _files.values() if e.lease is not None) >= _lease_budget():
@@ -307,6 +307,5 @@ def _rescue_breaking() -> None:
         )
 
 
-# Installed at import (normally in the main thread, the only one that may install it), so that
-# models loaded later from any thread can take leases.
-leases.install_handler(_on_break)
+leases.set_callback(_on_break)
+leases.install_handler()  # normally done by ``import bigmodel`` already

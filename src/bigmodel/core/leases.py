@@ -70,14 +70,19 @@ def supported() -> bool:
     return os.name == "posix" and hasattr(fcntl, "F_SETLEASE") and os.uname().sysname == "Linux"
 
 
-def install_handler(callback: Callable[[], None]) -> bool:
+def set_callback(callback: Callable[[], None]) -> None:
+    """What the lease-break handler runs (in the main thread, on every lease-break signal)."""
+    _state["callback"] = callback
+
+
+def install_handler() -> bool:
     """Install the lease-break handler (once; only the main thread can).  True when it is installed.
 
-    ``callback`` runs in the main thread on every lease-break signal.  A real-time signal whose
-    handler is still the default is chosen, so no handler of the application is replaced.
+    A real-time signal whose handler is still the default is chosen, so no handler of the
+    application is replaced.  ``import bigmodel`` calls this, so that models loaded later by
+    any thread can take leases.
     """
     if _state["signal"] is not None:
-        _state["callback"] = callback
         return True
     if not supported() or threading.current_thread() is not threading.main_thread():
         return False
@@ -85,12 +90,10 @@ def install_handler(callback: Callable[[], None]) -> bool:
         if signal.getsignal(signum) == signal.SIG_DFL:
             break
     else:
-        logger.info("No free real-time signal for file leases; weights will not be mapped unprotected.")
+        logger.info("No free real-time signal for file leases: weights will be read instead of mapped.")
         return False
-    global _libc
-    _libc = _Libc()
     signal.signal(signum, _on_signal)
-    _state.update(signal=signum, callback=callback)
+    _state["signal"] = signum
     return True
 
 
@@ -191,7 +194,8 @@ def copy_mappings_to_memory(lease: Lease) -> tuple[int, int]:
         ``(bytes copied, bytes lost)``: lost bytes were past the file's current end (the file was
         truncated before the copy: the kernel had given up the lease); they read as zeros.
     """
-    assert _libc is not None
+    global _libc
+    _libc = _libc or _Libc()
     size = os.fstat(lease.fd).st_size if lease.fd >= 0 else os.stat(lease.path).st_size
     copied = lost = 0
     for start, end, perms, offset in _mappings_of(lease):
