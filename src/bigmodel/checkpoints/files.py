@@ -105,7 +105,6 @@ class SafetensorsFile:
         self.entries, self._data_start = read_header(self.path)
         self._storage: torch.UntypedStorage | None = None
         self._mapping_decided = False
-        self._reader = None  # open file object when tensors are read instead of mapped
 
     def infos(self) -> dict[str, TensorInfo]:
         """Name → :class:`TensorInfo` for every tensor of the file, in offset order."""
@@ -132,10 +131,7 @@ class SafetensorsFile:
         offset = self._data_start + start
         storage = self._mapping()
         if storage is None:
-            if self._reader is None:
-                self._reader = open(self.path, "rb")
-                self._check_unchanged(os.fstat(self._reader.fileno()))
-            return read_bytes(self.path, offset, end - start, self._reader).view(dtype).reshape(shape)
+            return read_bytes(self.path, offset, end - start, self._check_unchanged).view(dtype).reshape(shape)
         itemsize = dtype.itemsize
         if offset % itemsize == 0:
             return torch.empty(0, dtype=dtype).set_(storage, offset // itemsize, shape)

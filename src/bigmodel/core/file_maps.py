@@ -23,6 +23,7 @@ free real-time signal) when it runs in the main thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -111,6 +112,7 @@ def _protected_by_os() -> bool:
     return os.name == "nt"
 
 
+@functools.lru_cache(maxsize=1)
 def _lease_budget() -> int:
     """How many files may hold a lease (each keeps one descriptor open): half the soft limit."""
     try:
@@ -137,7 +139,7 @@ def _new_entry(path: Path, key: tuple[int, int], mode: str) -> MappedFile | None
     elif not leases.install_handler():
         reason = "bigmodel was first used outside the main thread, which alone can take lease signals"
         lease = None
-    elif sum(1 for e in _files.values() if e.lease is not None) >= _lease_budget():
+    elif leases.held() >= _lease_budget():
         reason = "too many mapped files for the descriptor limit (raise `ulimit -n`)"
         lease = None
     else:
@@ -159,7 +161,7 @@ def hold(path: str | os.PathLike) -> MappedFile | None:
     mode = policy()
     if mode == "copy":
         return None
-    path = Path(path).resolve()
+    path = Path(path)
     st = path.stat()
     key = (st.st_dev, st.st_ino)
 
@@ -244,19 +246,23 @@ def map_file(path: str | os.PathLike, nbytes: int) -> torch.UntypedStorage | Non
         release(entry)
 
 
-def read_bytes(path: str | os.PathLike, offset: int, nbytes: int, handle=None) -> torch.Tensor:
-    """``nbytes`` of ``path`` from ``offset`` read into a new ``uint8`` CPU tensor.
+def read_bytes(
+    path: str | os.PathLike, offset: int, nbytes: int, check: Callable[[os.stat_result], None] | None = None
+) -> torch.Tensor:
+    """``nbytes`` of ``path`` from ``offset`` read into a new ``uint8`` CPU tensor (safe from any thread).
 
     Args:
-        handle: an open binary file of ``path`` to read from (else the file is opened here).
+        check: called with the opened file's ``os.fstat`` before reading (to refuse a file that
+            changed since its header was read).
 
     Raises:
         ValueError: the file ends before ``offset + nbytes`` (names the file).
     """
     out = torch.empty(nbytes, dtype=torch.uint8)
     view = memoryview(out.numpy()) if nbytes else memoryview(b"")
-    f = handle if handle is not None else open(path, "rb")
-    try:
+    with open(path, "rb") as f:
+        if check is not None:
+            check(os.fstat(f.fileno()))
         f.seek(offset)
         done = 0
         while done < nbytes:
@@ -267,9 +273,6 @@ def read_bytes(path: str | os.PathLike, offset: int, nbytes: int, handle=None) -
                     f"{offset}: it was truncated or is being rewritten; load it again once it is complete."
                 )
             done += got
-    finally:
-        if handle is None:
-            f.close()
     return out
 
 

@@ -35,6 +35,12 @@ _MREMAP_MAYMOVE_FIXED = 0x1 | 0x2
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 _state: dict[str, object] = {"signal": None, "callback": None}
+_held = [0]  # leases held by this process
+
+
+def held() -> int:
+    """How many leases (so descriptors) this process holds."""
+    return _held[0]
 
 
 class _Libc:
@@ -111,7 +117,7 @@ class Lease:
         fd: the descriptor holding the lease (-1 once released).
         dev, ino: the file's identity (``st_dev``, ``st_ino``).
         size: the file's size in bytes when the lease was taken.
-        path: the file's path (resolved).
+        path: the path it was opened by.
     """
 
     fd: int
@@ -134,6 +140,7 @@ class Lease:
         fd, self.fd = self.fd, -1
         if fd < 0:
             return
+        _held[0] -= 1
         try:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         except OSError:
@@ -167,6 +174,7 @@ def take_lease(path: str) -> tuple[Lease | None, str]:
         reason = {errno.EACCES: "it belongs to another user", errno.EPERM: "it belongs to another user",
                   errno.EAGAIN: "it is open for writing"}.get(err.errno, err.strerror)  # fmt: skip
         return None, f"no lease ({reason})"
+    _held[0] += 1
     return Lease(fd, st.st_dev, st.st_ino, st.st_size, path), ""
 
 
@@ -174,13 +182,14 @@ def _mappings_of(lease: Lease) -> list[tuple[int, int, str, int]]:
     """``(start, end, perms, file offset)`` of every private mapping of the leased file in this process."""
     found = []
     dev = f"{os.major(lease.dev):02x}:{os.minor(lease.dev):02x}"
+    real = os.path.realpath(lease.path)
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(maxsplit=5)
             if len(parts) < 5 or int(parts[4]) != lease.ino or parts[1][3] != "p":
                 continue
             name = parts[5].strip() if len(parts) > 5 else ""
-            if parts[3] != dev and name != lease.path:  # overlay file systems show the lower device
+            if parts[3] != dev and name != real:  # overlay file systems show the lower device
                 continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
             found.append((start, end, parts[1], int(parts[2], 16)))
