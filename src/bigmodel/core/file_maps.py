@@ -29,7 +29,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,7 +71,6 @@ class MappedFile:
     lease: leases.Lease | None
     holders: int = 1
     rescued: bool = False
-    storages: set[int] = field(default_factory=set)
 
 
 class _Serial:
@@ -157,6 +156,17 @@ def hold(path: str | os.PathLike) -> MappedFile | None:
     """Start mapping ``path``: its tracked entry (a lease taken if needed), or None to read it instead.
 
     Call :func:`attach` for each storage mapping the file, then :func:`release` once.
+
+    Args:
+        path: the file about to be mapped.
+
+    Returns:
+        The file's entry (held until :func:`release`), or None when the file must not be mapped
+        (``copy`` policy, or no protection under ``auto``; the reason is logged at INFO once).
+
+    Raises:
+        ValueError: ``BIGMODEL_MAPPED_WEIGHTS`` holds an unknown value.
+        FileNotFoundError: ``path`` does not exist.
     """
     mode = policy()
     if mode == "copy":
@@ -167,9 +177,11 @@ def hold(path: str | os.PathLike) -> MappedFile | None:
 
     def find() -> MappedFile | None:
         entry = _files.get(key)
-        if entry is not None and not entry.rescued and (entry.lease is None or entry.lease.fd >= 0):
-            entry.holders += 1
-            return entry
+        if entry is not None and not entry.rescued:
+            leased = entry.lease is not None and entry.lease.fd >= 0
+            if leased or (entry.lease is None and (mode == "map" or _protected_by_os())):
+                entry.holders += 1
+                return entry
         entry = _new_entry(path, key, mode)
         if entry is not None:
             _files[key] = entry
@@ -179,12 +191,16 @@ def hold(path: str | os.PathLike) -> MappedFile | None:
 
 
 def attach(entry: MappedFile, storage: torch.UntypedStorage) -> None:
-    """Track ``storage`` (a mapping of ``entry``'s file) until it is freed."""
+    """Track ``storage`` (a mapping of ``entry``'s file) until it is freed.
+
+    Args:
+        entry: from :func:`hold`.
+        storage: a storage whose memory maps that file; it keeps the file's lease while it lives.
+    """
     pointer = storage.data_ptr()
 
     def add() -> None:
         entry.holders += 1
-        entry.storages.add(pointer)
         _storages[pointer] = entry
 
     _serial.run(add)
@@ -195,7 +211,6 @@ def _freed(entry: MappedFile, pointer: int) -> None:
     def drop() -> None:
         if _storages.get(pointer) is entry:
             del _storages[pointer]
-        entry.storages.discard(pointer)
         _drop(entry)
 
     _serial.run(drop)
@@ -217,15 +232,32 @@ def _drop(entry: MappedFile) -> None:
 
 
 def is_mapped(tensor: torch.Tensor) -> bool:
-    """``tensor`` views a file mapping made here (so it costs no anonymous memory)."""
+    """``tensor`` views a file mapping made here (so it costs no anonymous memory until written).
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        True for a CPU tensor whose storage is one :func:`map_file` or a mapped pickle registered
+        with :func:`attach` made (also after a rewrite of the file copied it into memory).
+    """
     return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in _storages
 
 
 def map_file(path: str | os.PathLike, nbytes: int) -> torch.UntypedStorage | None:
     """The first ``nbytes`` of ``path`` as a private, protected mapping; None when it must be read instead.
 
+    Args:
+        path: the file.
+        nbytes: bytes to map from its start (at most its size).
+
+    Returns:
+        A storage of ``nbytes`` bytes viewing the file (writes stay private to this process), or
+        None: read the file with :func:`read_bytes` instead.
+
     Raises:
-        ValueError: the file is shorter than ``nbytes`` (names the file).
+        ValueError: the file is shorter than ``nbytes`` or was replaced while being mapped (names it);
+            an unknown ``BIGMODEL_MAPPED_WEIGHTS``.
     """
     entry = hold(path)
     if entry is None:
@@ -252,8 +284,14 @@ def read_bytes(
     """``nbytes`` of ``path`` from ``offset`` read into a new ``uint8`` CPU tensor (safe from any thread).
 
     Args:
+        path: the file.
+        offset: where to start, in bytes from the file's start.
+        nbytes: how many bytes to read.
         check: called with the opened file's ``os.fstat`` before reading (to refuse a file that
-            changed since its header was read).
+            changed since its header was read); it raises to refuse.
+
+    Returns:
+        A new 1-D ``torch.uint8`` tensor of ``nbytes`` elements.
 
     Raises:
         ValueError: the file ends before ``offset + nbytes`` (names the file).
@@ -299,9 +337,9 @@ def _rescue_breaking() -> None:
             lost.append(entry.path)
         else:
             logger.warning(
-                "%s is being rewritten while loaded weights map it: copied them into memory (%.1f MiB); the "
+                "%s is being rewritten while loaded weights map it: copied them into memory (%s bytes); the "
                 "model keeps the weights it loaded. (A writer interrupted by this, e.g. torch.save failing "
-                "with 'Interrupted system call', can simply be run again.)", entry.path, copied / 2**20,
+                "with 'Interrupted system call', can simply be run again.)", entry.path, f"{copied:,}",
             )  # fmt: skip
     if lost:
         raise RuntimeError(
