@@ -58,7 +58,9 @@ def read_whole_pickles(
     """
     if capped:
         return
-    elsewhere = {info.file for name, info in infos.items() if name in targets and not _kept_as_stored(info, targets[name])}
+    elsewhere = {
+        info.file for name, info in infos.items() if name in targets and not _kept_as_stored(info, targets[name])
+    }
     for path in [p for p in loaded if p not in elsewhere]:
         loaded[path] = {}  # drop the mapped tensors before reading the file
         loaded[path] = load_torch_file(path, mmap=False)
