@@ -14,6 +14,11 @@ import importlib
 from typing import Any
 
 from ._exports import EXPORTS, resolve
+from .core import leases as _leases
+
+# Only the main thread may install signal handlers: install the one that protects mapped weight
+# files now, so that models loaded later by any thread are protected (bigmodel.core.file_maps).
+_leases.install_handler()
 
 __version__ = "0.1.0"
 __all__ = sorted(EXPORTS)

@@ -7,9 +7,14 @@ Formats:
   tensor is a zero-copy view at the byte offsets of the header.  Nothing is read until a
   page is touched, so loading on CPU runs at page-cache speed and a tensor used in the
   same dtype on CPU costs no copy (some safetensors versions copy in ``get_tensor``;
-  these views do not depend on the version).
+  these views do not depend on the version).  The file is mapped only where a rewrite of
+  it cannot harm the process (:mod:`bigmodel.core.file_maps`); elsewhere each tensor is
+  read into memory.
 - torch pickles (``.bin``/``.pt``/``.pth``): ``torch.load(weights_only=True)`` always, with
-  ``mmap=True`` for the zip format.  A pickle that needs to run code is refused.
+  ``mmap=True`` for the zip format where the mapping is protected.  A pickle that needs to
+  run code is refused.  Their tensors are copied where they stay on CPU (the loader does):
+  ``torch.save`` over the file holds the GIL while it truncates it, so no protection of a
+  mapping could let it finish.
 - a sharded checkpoint's ``.json`` index and folders (hub cache snapshots included): which
   files make up a checkpoint is decided in :mod:`bigmodel.checkpoints.resolve`.
 """
@@ -29,6 +34,7 @@ import torch
 from safetensors import safe_open
 
 from ..core.devices import DeviceSpec, torch_device
+from ..core.file_maps import is_mapped, map_file, read_bytes
 from ..core.tensors import device_of
 from .resolve import (  # noqa: F401  (resolution lives in .resolve; these names stay importable here)
     INDEX_SUFFIX,
@@ -83,6 +89,9 @@ class TensorInfo:
 class SafetensorsFile:
     """One ``.safetensors`` file mapped into memory once; tensors are zero-copy views.
 
+    Where the mapping cannot be protected (:func:`bigmodel.core.file_maps.map_file` says so),
+    each tensor is read into memory instead.
+
     Args:
         path: the file.
 
@@ -92,8 +101,10 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self._identity = _identity(self.path)
         self.entries, self._data_start = read_header(self.path)
         self._storage: torch.UntypedStorage | None = None
+        self._mapping_decided = False
 
     def infos(self) -> dict[str, TensorInfo]:
         """Name → :class:`TensorInfo` for every tensor of the file, in offset order."""
@@ -103,10 +114,11 @@ class SafetensorsFile:
         }
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` as a view of the mapped file (copied only if its offset is misaligned).
+        """The tensor ``name`` as a view of the mapped file (copied if misaligned, read if not mapped).
 
         Raises:
             KeyError: ``name`` is not in the file.
+            ValueError: the file changed since its header was read, or ends early (names the file).
         """
         if name not in self.entries:
             raise KeyError(f"{name!r} is not a tensor of {str(self.path)!r}.")
@@ -116,20 +128,39 @@ class SafetensorsFile:
         start, end = entry["data_offsets"]
         if end == start:
             return torch.empty(shape, dtype=dtype)
-        if self._storage is None:
-            size = self.path.stat().st_size
-            self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=size)
         offset = self._data_start + start
+        storage = self._mapping()
+        if storage is None:
+            return read_bytes(self.path, offset, end - start, self._check_unchanged).view(dtype).reshape(shape)
         itemsize = dtype.itemsize
         if offset % itemsize == 0:
-            return torch.empty(0, dtype=dtype).set_(self._storage, offset // itemsize, shape)
+            return torch.empty(0, dtype=dtype).set_(storage, offset // itemsize, shape)
         logger.debug("%s: tensor %r is misaligned in the file; copying it.", self.path, name)
-        raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, offset, (end - start,))
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (end - start,))
         return raw.clone().view(dtype).reshape(shape)
+
+    def _mapping(self) -> torch.UntypedStorage | None:
+        if not self._mapping_decided:
+            self._check_unchanged(self.path.stat())
+            self._storage = map_file(self.path, self._identity[2])
+            self._mapping_decided = True
+        return self._storage
+
+    def _check_unchanged(self, st: os.stat_result) -> None:
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
+            raise ValueError(
+                f"Checkpoint file {str(self.path)!r} changed after its header was read (it was replaced or "
+                "rewritten); load it again once it is complete."
+            )
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.entries:
             yield name, self.tensor(name)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], int]:
@@ -231,7 +262,8 @@ def load_state_dict(
 
     Args:
         checkpoint_file: a ``.safetensors`` file (tensors are zero-copy views of the mapped
-            file) or a torch pickle (loaded with ``weights_only=True``, memory-mapped when zip).
+            file where the mapping is protected) or a torch pickle (loaded with
+            ``weights_only=True``; its tensors are copies in memory).
         device_map: optional map module/tensor name → device; each tensor goes to its device
             (``"disk"`` and names the map does not cover stay on CPU).
 
@@ -249,6 +281,8 @@ def load_state_dict(
         raise ValueError(f"{str(path)!r} is not a .safetensors, .bin, .pt or .pth file; use load_checkpoint_in_model.")
     state_dict = {}
     for name, tensor in iter_file_tensors(path):
+        if path.suffix != SAFETENSORS_SUFFIX and is_mapped(tensor):
+            tensor = tensor.clone()  # pickles are never left mapped (see the module's docstring)
         if device_map is not None:
             try:
                 device = device_of(name, device_map)

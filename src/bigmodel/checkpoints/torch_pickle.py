@@ -1,4 +1,8 @@
-"""Torch pickle checkpoints (``.bin``/``.pt``/``.pth``): ``torch.load(weights_only=True)``, memory-mapped when zipped."""
+"""Torch pickle checkpoints (``.bin``/``.pt``/``.pth``): ``torch.load(weights_only=True)``, memory-mapped when zipped.
+
+The map is taken only where it is protected (:func:`bigmodel.core.file_maps.hold`): a file being
+rewritten while its tensors are read is then copied into memory first instead of killing the process.
+"""
 
 from __future__ import annotations
 
@@ -13,18 +17,38 @@ from pathlib import Path
 
 import torch
 
+from ..core.file_maps import attach, hold, release
+
 logger = logging.getLogger(__name__)
 
 
-def load_torch_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Load a torch pickle with ``weights_only=True`` (memory-mapped when it is a zip file).
+def load_torch_file(path: str | os.PathLike, mmap: bool | None = None) -> dict[str, torch.Tensor]:
+    """Load a torch pickle with ``weights_only=True``.
+
+    Args:
+        path: the file.
+        mmap: ``False`` reads every tensor into memory; ``None`` maps a zip file where the
+            mapping is protected (:func:`bigmodel.core.file_maps.hold`) and reads it otherwise.
 
     Raises:
         pickle.UnpicklingError: the pickle would need to run code (names the file and the fix).
         ValueError: the file is corrupted or not a torch checkpoint of tensors.
     """
     path = Path(path)
-    mmap = zipfile.is_zipfile(path)
+    guard = hold(path) if mmap is not False and zipfile.is_zipfile(path) else None
+    try:
+        tensors = _load(path, mmap=guard is not None)
+        if guard is not None:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors.values() if t.numel()}
+            for storage in storages.values():
+                attach(guard, storage)
+    finally:
+        if guard is not None:
+            release(guard)
+    return tensors
+
+
+def _load(path: Path, mmap: bool) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..core.devices import accelerator_type
+from ..core.file_maps import is_mapped
 from ..core.sizes import to_dtype
 from ..core.tensors import (
     device_of,
@@ -269,6 +270,8 @@ def _receive(entry: _Entry, reader: RankZeroReader | None, comm: torch.device) -
     """Broadcast one full tensor from rank 0; every rank returns it (checkpoint shape and dtype)."""
     data = _read_or_fail(entry, reader, comm)
     buf = data.to(comm) if data is not None else torch.empty(entry.nbytes, dtype=torch.uint8, device=comm)
+    if is_mapped(buf):  # a .bin's mapped bytes on a CPU rank 0: never left mapped (see loading.loader)
+        buf = buf.clone()
     if entry.nbytes:
         dist.broadcast(buf, src=0)
     return buf.view(entry.dtype).reshape(entry.shape)

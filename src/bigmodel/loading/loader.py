@@ -45,9 +45,10 @@ from ..core.tensors import (
     set_module_tensor_to_device,
 )
 from ..offload.format import files_no_offload_wrote
-from ..offload.storage import OffloadWriter, dat_path, load_offloaded_weight
+from ..offload.storage import OffloadWriter
 from .conversion import KeyConversion, TensorRouter, convert_infos
 from .key_checks import check_shapes, listed, placeable_device, report_keys
+from .resident import bring_back, read_whole_pickles, unmapped
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,8 @@ def load_checkpoint_in_model(
             map, each tensor goes to the device of the model's tensor (CPU for ``meta``).
             Tensors placed in memory take the model's floating dtype (or ``dtype``); tensors
             mapped to disk keep the checkpoint's, cast when the offload hook loads them.
-            CPU tensors in the checkpoint's dtype are memory-mapped views of its files (no
-            copy): do not overwrite those files while the model is alive.
+            CPU tensors of safetensors files are zero-copy views, protected against the files
+            being rewritten (:mod:`bigmodel.core.file_maps`); those of pickles are copies.
         offload_folder: where ``"disk"`` tensors go (``index.json`` + ``.dat`` files, or
             pointers into the safetensors checkpoint when the dtype is unchanged).  It may be
             the checkpoint's own folder: the offload files are added there, and a file that
@@ -161,7 +162,7 @@ def _load(
             writer.commit()
         if spill is not None:
             spill.commit()
-            _bring_back(model, spill)
+            bring_back(model, spill)
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -291,6 +292,7 @@ def _stream(
     model: nn.Module, files: list[Path], plan: _Plan, writer: OffloadWriter | None, spill: OffloadWriter | None
 ) -> None:
     """Read the checkpoint tensor by tensor and send each to its device, the offload folder or the spill."""
+    read_whole_pickles(plan.infos, plan.targets, plan.loaded, capped=spill is not None)
     with ByteProgress(plan.read_bytes, "Loading checkpoint") as bar:
         for key, stored in iter_checkpoint_tensors(files, plan.loaded):
             for model_name, tensor, source_key in plan.router.route(key, stored):
@@ -312,7 +314,9 @@ def _place(
 ) -> None:
     """Send one model tensor (and the tied names it also fills) to its device, the folder or the spill."""
     first: str | None = None
-    for name in (model_name, *plan.aliases.get(model_name, ())):
+    names = (model_name, *plan.aliases.get(model_name, ()))
+    resident = unmapped(tensor, plan.infos[model_name], [plan.targets.get(n) for n in names])
+    for name in names:
         target = plan.targets.get(name)
         if target is None:
             continue
@@ -323,7 +327,7 @@ def _place(
         elif spill is not None and tensor.dtype != target.dtype and target.device.type == "cpu":
             spill.write(name, tensor.to(target.dtype))
         else:
-            set_module_tensor_to_device(model, name, target.device, value=tensor, dtype=target.dtype, clear_cache=False)
+            set_module_tensor_to_device(model, name, target.device, value=resident, dtype=target.dtype, clear_cache=False)
 
 
 def _to_folder(
@@ -345,13 +349,6 @@ def _to_folder(
         writer.point(name, info.file, key, tensor.dtype, tensor.shape)
     else:
         writer.write(name, tensor.to(target.dtype))
-
-
-def _bring_back(model: nn.Module, spill: OffloadWriter) -> None:
-    """Map the spilled CPU tensors back into the model (zero-copy views of the spill files)."""
-    for name, info in spill.index.items():
-        value = load_offloaded_weight(dat_path(spill.folder, name), info)
-        set_module_tensor_to_device(model, name, "cpu", value=value, dtype=value.dtype, clear_cache=False)
 
 
 def _retie(model: nn.Module, plan: _Plan) -> None:

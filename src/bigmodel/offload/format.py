@@ -9,8 +9,9 @@ Format (shared with the ecosystem): ``index.json`` maps each tensor name to eith
 
 A tensor name maps to its file through :func:`dat_path`: a ``/`` in the name (torch module
 names may hold one) makes subfolders, and names that would leave the folder (``..``, absolute
-paths, empty parts) are refused.  Reads are memory maps: a CPU tensor from the folder is a
-zero-copy view of its file.
+paths, empty parts) are refused.  Reads are memory maps where the mapping is protected against
+the file being rewritten (:mod:`bigmodel.core.file_maps`): a CPU tensor from the folder is then a
+zero-copy view of its file; elsewhere it is read into memory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from ..checkpoints.files import SafetensorsFile
+from ..core.file_maps import map_file, read_bytes
 
 INDEX_NAME = "index.json"
 
@@ -80,7 +82,7 @@ def dat_path(folder: str | os.PathLike, name: str, create: bool = False) -> Path
 
 
 def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[str, Any]) -> torch.Tensor:
-    """Read one offloaded tensor as a zero-copy, memory-mapped CPU tensor.
+    """Read one offloaded tensor as a zero-copy, memory-mapped CPU tensor (read into memory where unprotected).
 
     Args:
         weight_file: the ``.dat`` file (ignored for entries pointing into a safetensors file).
@@ -109,7 +111,10 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
         )
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8).view(dtype).reshape(shape)
+    storage = map_file(path, nbytes)
+    if storage is None:
+        return read_bytes(path, 0, nbytes).view(dtype).reshape(shape)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).view(dtype).reshape(shape)
 
 
 def _safetensors_path(info: Mapping[str, Any], folder: Path | None) -> str:

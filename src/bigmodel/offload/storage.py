@@ -21,11 +21,11 @@ from torch import nn
 
 from ..checkpoints.files import SafetensorsFile
 from ..core.devices import DeviceSpec, torch_device
+from ..core.file_maps import is_mapped
 from ..core.tensors import set_module_tensor_to_device
 from .format import (
     INDEX_NAME,
     _read_safetensors_entry,
-    _safetensors_path,
     dat_path,
     dtype_name,
     load_offload_index,
@@ -167,7 +167,10 @@ class OffloadedWeightsLoader(Mapping):
     of that tensor return a new view of the same mapping (no system call, no page fault on
     pages already touched).  The mappings are released when the loader is garbage collected
     (it holds no reference back to any module, so this happens as soon as the dispatched
-    model that owns it is deleted).  A file replaced on disk after its first read is not seen.
+    model that owns it is deleted).  A file replaced on disk after its first read is not seen;
+    one rewritten in place has its mappings copied into memory first (Linux leases, see
+    :mod:`bigmodel.core.file_maps`).  Where a file cannot be mapped safely, each read is a fresh
+    copy and nothing is kept.
     Thread-safe: a background reader (the prefetcher) and the forward may read at once.
 
     Args:
@@ -241,11 +244,10 @@ class OffloadedWeightsLoader(Mapping):
             info = self.index[key]
             if "safetensors_file" in info:
                 tensor = _read_safetensors_entry(info, key, self._files, self.save_folder)
-                file_bytes = os.path.getsize(_safetensors_path(info, self.save_folder))
-                if tensor.numel() and tensor.untyped_storage().nbytes() != file_bytes:
-                    return tensor  # a cast or realigned copy: not kept (it is not file-backed memory)
             else:
                 tensor = load_offloaded_weight(dat_path(self.save_folder, key), info)  # type: ignore[arg-type]
+            if tensor.numel() and not is_mapped(tensor):
+                return tensor  # a cast, realigned or unprotected copy: not kept (it is not file-backed memory)
             self._mapped[key] = tensor
             return tensor.detach()
 
