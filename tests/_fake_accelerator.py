@@ -26,12 +26,11 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-try:  # the package layout after issue 14
-    from bigmodel.transfer import copies as copies_module
-    from bigmodel.transfer import pinned as pinned_module
-except ImportError:  # pragma: no cover - the layout before it
-    from bigmodel import _pinned as pinned_module
-    from bigmodel import _transfer as copies_module
+from bigmodel.dispatch import dispatch as dispatch_module
+from bigmodel.dispatch import redispatch as redispatch_module
+from bigmodel.dispatch import whole_model as whole_model_module
+from bigmodel.transfer import copies as copies_module
+from bigmodel.transfer import pinned as pinned_module
 
 
 class FakeStream:
@@ -41,15 +40,17 @@ class FakeStream:
         self.backend, self.name = backend, name
         self.ops: list[Callable[[], None]] = []
         self.done = 0
+        self._lock = threading.Lock()
         self._saved: list = []
 
     def run(self, upto: int | None = None) -> None:
         """Run the queued copies up to position ``upto`` (all of them by default)."""
-        upto = len(self.ops) if upto is None else upto
-        while self.done < upto:
-            op, self.ops[self.done] = self.ops[self.done], None  # a copy holds its source only until it runs
-            self.done += 1
-            op()
+        with self._lock:  # the forward thread and the prefetch thread may both wait on this stream
+            upto = len(self.ops) if upto is None else upto
+            while self.done < upto:
+                op, self.ops[self.done] = self.ops[self.done], None  # a copy holds its source only until it runs
+                op()
+                self.done += 1
 
     def __enter__(self) -> FakeStream:
         self.backend.log.append(("enter", self.name, threading.current_thread().name))
@@ -175,9 +176,10 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
     monkeypatch.setattr(copies_module, "_record_stream",
                         lambda tensor, stream: fake.record_stream_calls.append(stream.name) or True)
     monkeypatch.setattr(copies_module, "_is_device_source", lambda tensor, target: False)  # cpu sources are host memory
-    monkeypatch.setattr(copies_module, "_device_copy", fake.device_copy, raising=False)
+    monkeypatch.setattr(copies_module, "_device_copy", fake.device_copy)
+    monkeypatch.setattr(copies_module, "_current_index", lambda device_type: 0)
     monkeypatch.setattr(pinned_module, "_pinned_arena", fake.pinned_arena)
-    monkeypatch.setattr(pinned_module, "_empty_host_cache", fake.trim, raising=False)
+    monkeypatch.setattr(pinned_module, "_empty_host_cache", fake.trim)
     real_is_pinned = torch.Tensor.is_pinned
     monkeypatch.setattr(torch.Tensor, "is_pinned",
                         lambda self, *a, **k: fake.is_pinned(self) or real_is_pinned(self, *a, **k))
@@ -192,13 +194,5 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
 def dispatch_as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make dispatch/cpu_offload/disk_offload treat a ``cpu`` execution device as an accelerator
     (CPU weights pinned, offloaded modules staged by DeviceStager); use with :func:`install`."""
-    try:
-        from bigmodel.dispatch import dispatch as dispatch_module
-        from bigmodel.dispatch import redispatch as redispatch_module
-        from bigmodel.dispatch import whole_model as whole_module
-    except ImportError:  # pragma: no cover - the layout before issue 14
-        from bigmodel import _dispatch as dispatch_module
-        from bigmodel import _offload_entry as whole_module
-        from bigmodel import _redispatch as redispatch_module
-    for module in (dispatch_module, whole_module, redispatch_module):
+    for module in (dispatch_module, whole_model_module, redispatch_module):
         monkeypatch.setattr(module, "_runs_on_accelerator", lambda device: device is not None and device != "disk")

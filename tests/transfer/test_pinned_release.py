@@ -101,7 +101,8 @@ def test_an_outgrown_staging_buffer_is_freed_and_trimmed(fake):
 
 @pytest.mark.parametrize("kind", ["cpu_offload", "dispatch"])
 def test_pinning_a_models_own_cpu_weights_never_holds_two_copies(fake, kind):
-    """cpu_offload / dispatch pin the model's CPU weights: the peak is the model plus one arena, not 2x."""
+    """cpu_offload / dispatch pin the model's CPU weights: the peak is the model plus about an arena
+    (arenas are powers of two, so each may be partly empty), not the model twice."""
     torch.manual_seed(0)
     model = Net(n=12).eval()
     with torch.no_grad():
@@ -121,7 +122,8 @@ def test_pinning_a_models_own_cpu_weights_never_holds_two_copies(fake, kind):
     else:
         dispatch_model(model, {f"layers.{i}": "cpu" for i in range(12)}, main_device="cpu", force_hooks=True)
     assert len(peaks) >= 3  # several arenas
-    assert max(peaks) <= model_bytes + ARENA + 4096, (max(peaks), model_bytes)
+    assert model_bytes > 3 * ARENA  # pinning the model copy by copy would peak at about 2.3x model_bytes here
+    assert max(peaks) <= model_bytes + 2 * ARENA, (max(peaks), model_bytes)
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(X), expected)
