@@ -179,6 +179,7 @@ class Prefetcher:
         self.stages_small = bool(getattr(stage, "stages_small_modules", False)) and not self.in_place
         self._capture = getattr(stage, "capture", None)
         self._warned_memory = False
+        self._largest = 0  # bytes of the largest module in the order (known once it is recorded)
         self.recording = True
         self._order: list[weakref.ref] = []
         self._bytes: list[int] = []  # offloaded bytes of each hook in the order (read once, while recording)
@@ -221,6 +222,7 @@ class Prefetcher:
                 self._bytes.append(hook.offloaded_bytes)
                 return
             self.recording = False
+            self._largest = max(self._bytes)
         index = self._position.get(key)
         if index is None or self.depth <= 0:
             return
@@ -230,7 +232,7 @@ class Prefetcher:
             for stale in [k for k in self._pending if k not in ahead_keys]:
                 self._pending.pop(stale).cancel()
         large = [self._bytes[self._position[k]] for k in self._pending]
-        staged, largest = sum(b for b in large if b >= self.min_bytes), max(self._bytes)
+        staged, largest = sum(b for b in large if b >= self.min_bytes), self._largest
         for j in ahead:
             target = self._order[j]()
             if target is None or id(target) in self._pending:
