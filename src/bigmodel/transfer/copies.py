@@ -72,6 +72,12 @@ def resolve_device(device: DeviceSpec) -> torch.device:
     """``device`` as a torch.device with an index when it is an accelerator: an index-less
     ``"cuda"`` means the calling thread's current device (call it on the thread that runs the forward).
 
+    Args:
+        device: a device spec (an accelerator index, ``"cuda"``, ``"cuda:1"``, a torch.device, ``"cpu"``).
+
+    Returns:
+        The torch.device; cpu and meta are returned as they are.
+
     Raises:
         ValueError: for ``"disk"`` or an accelerator index on a machine without an accelerator.
     """
@@ -285,6 +291,9 @@ class DeviceStager:
 
     def capture(self, device: torch.device | None) -> StageContext | None:
         """Read, on the forward thread, what the copy needs from it (device index, current stream).
+
+        Args:
+            device: the execution device (index-less means the calling thread's current one).
 
         Returns:
             The context to pass to ``stager(values, device, context)``; None for a CPU device.
