@@ -14,8 +14,12 @@ forwards (1 token with the KV cache):
 
 Plus the bus floor: pinned (and pageable) host→device copy bandwidth of a 1 GiB buffer.
 Cases are interleaved (one pass over every case per round), each figure is the median of
-``--repeats`` rounds after one warm-up round.  Prints a markdown table and writes
-``gpu_offload.json`` and ``gpu_offload.md`` into the output folder (the JSON after every round).
+``--repeats`` rounds after one warm-up round.  The warm-up round's first-prefill logits are
+compared (bigmodel vs accelerate bit-exact, every case vs the floor within a tolerance), and
+each offloaded case reports the host→device bandwidth its forwards reach against the pinned
+copy bandwidth, and how much of the copying hides behind compute (benchmarks/gpu_report.py).
+Prints a markdown table and writes ``gpu_offload.json`` and ``gpu_offload.md`` into the output
+folder (the JSON after every round).  Exit status 1 if a case failed or an output check did.
 
 Usage (on a machine with an accelerator, bigmodel and accelerate==1.15.0 importable)::
 
@@ -42,6 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+try:
+    from gpu_report import compare_outputs, derive, table, write
+except ImportError:  # run as ``python -m benchmarks.gpu_offload``
+    from .gpu_report import compare_outputs, derive, table, write
 
 GB = 10**9
 GIB = 2**30
@@ -178,8 +187,10 @@ def setup_cases(args, config, checkpoint: Path, device: torch.device, device_map
 
 @torch.no_grad()
 def measure_case(model: torch.nn.Module, device: torch.device, prefills: list[int], steps: int,
-                 vocab: int) -> dict[str, float]:
-    """Seconds: one prefill forward per length, then the mean of ``steps`` decode forwards."""
+                 vocab: int, keep: dict | None = None, name: str = "") -> dict[str, float]:
+    """Seconds: one prefill forward per length, then the mean of ``steps`` decode forwards.
+
+    With ``keep``, the first prefill's logits are stored there under ``name`` (on the CPU)."""
     result = {}
     generator = torch.Generator().manual_seed(1)
     past = None
@@ -192,6 +203,8 @@ def measure_case(model: torch.nn.Module, device: torch.device, prefills: list[in
         result[f"prefill_{length}_s"] = time.perf_counter() - start
         if i == 0:
             past, token = out.past_key_values, ids[:, -1:]
+            if keep is not None:
+                keep[name] = out.logits.detach().cpu()
         del out
     if steps > 0:
         synchronize(device)
@@ -231,75 +244,15 @@ def offloaded_bytes(model_bytes: int, resident_bytes: int) -> int:
     return max(model_bytes - resident_bytes, 0)
 
 
-def summarize(rounds: list[dict], cases: dict, meta: dict) -> dict:
+def summarize(rounds: list[dict], cases: dict, meta: dict, checks: list[dict]) -> dict:
     medians: dict[str, dict[str, float]] = {}
     for name in cases:
         keys = {k for r in rounds for k in r.get(name, {}) if isinstance(r[name].get(k), float)}
         medians[name] = {k: statistics.median(r[name][k] for r in rounds if k in r.get(name, {})) for k in keys}
     bus = {k: statistics.median(r["bus"][k] for r in rounds if k in r.get("bus", {}))
            for k in (rounds[0].get("bus", {}) if rounds else {})}
-    return {"meta": meta, "bus": bus, "medians": medians, "derived": derive(medians, bus, meta), "rounds": rounds,
-            "errors": {n: c for n, c in cases.items() if isinstance(c, str)}}
-
-
-def derive(medians: dict, bus: dict, meta: dict) -> dict:
-    """The issue's acceptance figures per offloaded case (ratios; bandwidths in bytes/s)."""
-    key = f"prefill_{meta['prefill'][0]}_s"
-    floor, pinned, derived = medians.get("floor", {}), bus.get("pinned_h2d_Bps"), {}
-    for name, values in medians.items():
-        if name == "floor":
-            continue
-        moved = meta["offloaded_bytes"][name.split(" ", 1)[-1]]
-        step = values.get("decode_step_s")
-        item = {"offloaded_bytes": moved}
-        if step:
-            item["decode_Bps"] = moved / step
-            if pinned:
-                item["decode_fraction_of_pinned_bus"] = moved / step / pinned
-        if key in values and key in floor:
-            item["prefill_vs_floor"] = values[key] / floor[key]
-        rival = medians.get(name.replace("bigmodel", "accelerate")) if name.startswith("bigmodel") else None
-        for k, label in ((key, "prefill"), ("decode_step_s", "decode")):
-            if rival and k in rival and k in values:
-                item[f"{label}_speedup_vs_accelerate"] = rival[k] / values[k]
-        derived[name] = item
-    return derived
-
-
-def table(summary: dict) -> str:
-    meta, medians, bus = summary["meta"], summary["medians"], summary["bus"]
-    prefills = meta["prefill"]
-    pinned = bus.get("pinned_h2d_Bps")
-    floor = medians.get("floor", {})
-    head = ["case", "offloaded GB"] + [f"prefill {n} (ms)" for n in prefills] + [
-        f"x floor ({prefills[0]})", "decode step (ms)", "decode GB/s", "% pinned bus", "x faster than accelerate"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, values in medians.items():
-        moved = meta["offloaded_bytes"].get(name.split(" ", 1)[-1], 0) if name != "floor" else 0
-        row = [name, f"{moved / GB:.2f}"]
-        row += [f"{values[f'prefill_{n}_s'] * 1e3:.1f}" if f"prefill_{n}_s" in values else "-" for n in prefills]
-        key = f"prefill_{prefills[0]}_s"
-        row.append(f"{values[key] / floor[key]:.2f}" if key in values and key in floor else "-")
-        step = values.get("decode_step_s")
-        row.append(f"{step * 1e3:.1f}" if step else "-")
-        rate = moved / step if step and moved else None
-        row.append(f"{rate / GB:.1f}" if rate else "-")
-        row.append(f"{100 * rate / pinned:.0f}%" if rate and pinned else "-")
-        rival = medians.get(name.replace("bigmodel", "accelerate")) if name.startswith("bigmodel") else None
-        ratios = [rival[k] / values[k] for k in (key, "decode_step_s") if rival and k in rival and k in values]
-        row.append(" / ".join(f"{r:.2f}" for r in ratios) + " (prefill / decode)" if ratios else "-")
-        lines.append("| " + " | ".join(row) + " |")
-    for label in ("pinned", "pageable"):
-        if f"{label}_h2d_Bps" in bus:
-            lines.append(f"\n{label} host→device bandwidth (1 GiB copies): {bus[f'{label}_h2d_Bps'] / GB:.1f} GB/s")
-    for name, error in summary["errors"].items():
-        lines.append(f"\n{name}: {error.strip().splitlines()[-1]}")
-    return "\n".join(lines)
-
-
-def write(out: Path, summary: dict) -> None:
-    (out / "gpu_offload.json").write_text(json.dumps(summary, indent=1, default=str))
-    (out / "gpu_offload.md").write_text(table(summary) + "\n")
+    return {"meta": meta, "bus": bus, "medians": medians, "derived": derive(medians, bus, meta), "checks": checks,
+            "rounds": rounds, "errors": {n: c for n, c in cases.items() if isinstance(c, str)}}
 
 
 # ----------------------------------------------------------------------------- main
@@ -370,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "torch": torch.__version__, "python": platform.python_version(), "device_map": device_map,
             "offloaded_bytes": {"dispatch": offloaded_bytes(model_bytes, on_device), "cpu_offload": model_bytes},
-            "command": " ".join([sys.executable, *sys.argv]),
+            "command": " ".join([sys.executable, *sys.argv]), "cases": args.cases or "all",
         }
         for name in ("accelerate", "transformers", "bigmodel"):
             try:
@@ -379,26 +332,35 @@ def main(argv: list[str] | None = None) -> int:
                 meta[name] = None
         cases = setup_cases(args, config, checkpoint, device, device_map)
         rounds: list[dict] = []
+        logits: dict[str, torch.Tensor] = {}
+        checks: list[dict] = []
         for round_index in range(args.repeats + 1):  # round 0 warms up (kernels, caches, learned prefetch order)
             record: dict[str, Any] = {"bus": bus_bandwidth(device)}
             for name, model in cases.items():
                 if isinstance(model, str):
                     continue
                 try:
-                    record[name] = measure_case(model, device, args.prefill, args.decode_steps, config.vocab_size)
+                    record[name] = measure_case(model, device, args.prefill, args.decode_steps, config.vocab_size,
+                                                keep=logits if round_index == 0 else None, name=name)
                 except Exception:  # noqa: BLE001
                     cases[name] = "forward failed:\n" + traceback.format_exc()
                     log(cases[name])
                     continue
                 figures = ", ".join(f"{k}={v * 1e3:.1f} ms" for k, v in record[name].items())
                 log(f"round {round_index} {name}: {figures}")
-            if round_index > 0:
+            if round_index == 0:
+                checks = compare_outputs(logits)
+                logits.clear()
+                for check in checks:
+                    log(f"{'PASS' if check['passed'] else 'FAIL'} {check['check']}")
+            else:
                 rounds.append(record)
-                write(args.out, summarize(rounds, cases, meta))
-        summary = summarize(rounds, cases, meta)
+                write(args.out, summarize(rounds, cases, meta, checks))
+        summary = summarize(rounds, cases, meta, checks)
         write(args.out, summary)
         print(table(summary))
-    return 0 if not summary["errors"] else 1
+    failed = summary["errors"] or not checks or not all(check["passed"] for check in checks)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -8,12 +8,20 @@
 #    pytest, safetensors are preinstalled and nothing can be downloaded), installs wheels
 #    carried in .whl/ if any, then bigmodel from this checkout (no dependencies fetched);
 #    where a registry is reachable, missing torch / accelerate==1.15.0 are pip-installed;
-# 2. runs the accelerator tests (pytest -m accelerator) and the CPU logic tests of the transfer layer;
-# 3. runs benchmarks/gpu_offload.py (bigmodel vs accelerate 1.15.0 vs all-on-GPU);
+# 2. runs the accelerator tests (pytest -m accelerator: tests/transfer/test_accelerator*.py, the
+#    prefetch path under load with race wideners, failure injection, exit with a prefetch in flight);
+# 3. runs the CPU suites whose behaviour changes once pinned memory is on (dispatch, prefetch,
+#    transfer, the transformers integration) -- skipped on a machine without an accelerator, where
+#    they are CI's ordinary suites;
+# 4. runs a trimmed benchmarks/gpu_offload.py (bigmodel vs accelerate 1.15.0 vs all-on-GPU): output
+#    checks (bigmodel == accelerate bit for bit, every case ~ all-on-GPU within tolerance), the H2D
+#    bandwidth of offloaded forwards against the measured pinned-copy bandwidth, and the overlap
+#    of copies with compute.  Without an accelerator it runs as a CPU smoke test of the script.
 # and writes everything into OUT_DIR (at most 8 files: the device tool brings back 8):
-#   check.log  env.txt  pytest-accelerator.log  junit-accelerator.xml  pytest-transfer.log
+#   check.log  env.txt  pytest-accelerator.log  junit-accelerator.xml  pytest-cpu.log
 #   bench.log  gpu_offload.json  gpu_offload.md
-# Fits in 10 minutes: every step has its own timeout; a failing step is recorded and the next runs.
+# About 5 minutes on one H200 (a rerun fits in a 15-minute device window); every step has its own
+# timeout and the whole script stays under 9 minutes; a failing step is recorded and the next runs.
 # Exit status: 0 if every step passed, 1 otherwise (see check.log's summary).
 set -euo pipefail
 
@@ -21,7 +29,11 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${1:-${OUT:-$REPO/accelerator-results}}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-exec > >(tee -a "$OUT_DIR/check.log") 2>&1
+if [[ -z "${BIGMODEL_CHECK_LOGGING:-}" ]]; then  # run once more with everything going to check.log too
+    set +e
+    BIGMODEL_CHECK_LOGGING=1 bash "${BASH_SOURCE[0]}" "$OUT_DIR" 2>&1 | tee -a "$OUT_DIR/check.log"
+    exit "${PIPESTATUS[0]}"  # tee has finished: check.log is complete when OUT_DIR is collected
+fi
 cd "$REPO"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -123,24 +135,52 @@ EOF
 } >>"$OUT_DIR/env.txt" 2>&1
 say "environment written to env.txt"
 
-# ---------------------------------------------------------------- 2. tests
-TIMEOUT_OPT=()
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_OPT=(--timeout 120); fi
-mapfile -t MARKED < <(grep -l "pytest.mark.accelerator" tests/test_*.py || true)
-if [[ ${#MARKED[@]} -eq 0 ]]; then MARKED=(tests/test_accelerator.py); fi
-step "pytest -m accelerator" 240 "$OUT_DIR/pytest-accelerator.log" \
-    "$PY" -m pytest -m accelerator -p no:cacheprovider -q -rA --continue-on-collection-errors "${TIMEOUT_OPT[@]}" \
-    --junitxml="$OUT_DIR/junit-accelerator.xml" "${MARKED[@]}"
-step "pytest transfer logic" 120 "$OUT_DIR/pytest-transfer.log" \
-    "$PY" -m pytest -p no:cacheprovider -q -rfE "${TIMEOUT_OPT[@]}" tests/test_transfer.py
+HAVE_ACCEL=0
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.accelerator.is_available() else 1)" 2>/dev/null; then HAVE_ACCEL=1; fi
+say "accelerator seen by torch: $HAVE_ACCEL"
+skip() {  # skip NAME WHY: record a step that did not run
+    STATUS+=("$1: skipped ($2)")
+    say "step $1: skipped ($2)"
+}
 
-# ---------------------------------------------------------------- 3. benchmark
+# ---------------------------------------------------------------- 2. accelerator tests
+TIMEOUT_OPT=()
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_OPT=(--timeout 150); fi
+mapfile -t MARKED < <(grep -rl --include='test_*.py' "pytest.mark.accelerator" tests | sort || true)
+say "accelerator test files: ${MARKED[*]:-none}"
+if [[ ${#MARKED[@]} -eq 0 ]]; then
+    skip "pytest -m accelerator" "no test file carries the accelerator marker"
+else  # without an accelerator every test skips: a dry run of collection and imports
+    step "pytest -m accelerator" 240 "$OUT_DIR/pytest-accelerator.log" \
+        "$PY" -m pytest -m accelerator -p no:cacheprovider -q -rA --continue-on-collection-errors "${TIMEOUT_OPT[@]}" \
+        --junitxml="$OUT_DIR/junit-accelerator.xml" "${MARKED[@]}"
+fi
+
+# ---------------------------------------------------------------- 3. CPU suites with pinned memory on
+CPU_SUITES=(tests/dispatch tests/transfer tests/integrations/test_hf.py)
+if [[ "$HAVE_ACCEL" == 1 ]]; then
+    step "pytest CPU suites (pinned memory on)" 180 "$OUT_DIR/pytest-cpu.log" \
+        "$PY" -m pytest -m "not accelerator and not slow" -p no:cacheprovider -q -rfE --maxfail=10 "${TIMEOUT_OPT[@]}" \
+        "${CPU_SUITES[@]}"
+else
+    skip "pytest CPU suites (pinned memory on)" "no accelerator: pinned memory stays off, these are CI's suites"
+fi
+
+# ---------------------------------------------------------------- 4. benchmark
 ELAPSED=$(( $(date +%s) - START ))
-BENCH_LIMIT=$(( 570 - ELAPSED ))
+BENCH_LIMIT=$(( 520 - ELAPSED ))
+if (( BENCH_LIMIT > 300 )); then BENCH_LIMIT=300; fi
 if (( BENCH_LIMIT < 120 )); then BENCH_LIMIT=120; fi
-step "gpu_offload benchmark" "$BENCH_LIMIT" "$OUT_DIR/bench.log" \
-    "$PY" -W ignore::FutureWarning benchmarks/gpu_offload.py "$OUT_DIR" --repeats "${BIGMODEL_BENCH_REPEATS:-3}" \
-    --prefill "${BIGMODEL_BENCH_PREFILL:-2048,16384}" --budget "${BIGMODEL_BENCH_BUDGET:-3GiB}" ${BIGMODEL_BENCH_ARGS:-}
+if [[ "$HAVE_ACCEL" == 1 ]]; then
+    step "gpu_offload benchmark" "$BENCH_LIMIT" "$OUT_DIR/bench.log" \
+        "$PY" -W ignore::FutureWarning benchmarks/gpu_offload.py "$OUT_DIR" --repeats "${BIGMODEL_BENCH_REPEATS:-2}" \
+        --prefill "${BIGMODEL_BENCH_PREFILL:-2048}" --decode-steps "${BIGMODEL_BENCH_DECODE_STEPS:-8}" \
+        --budget "${BIGMODEL_BENCH_BUDGET:-3GiB}" ${BIGMODEL_BENCH_ARGS:-}
+else  # the same code on a toy model: the checks and the report run, the figures mean nothing
+    step "gpu_offload benchmark (CPU smoke, no accelerator)" "$BENCH_LIMIT" "$OUT_DIR/bench.log" \
+        "$PY" -W ignore::FutureWarning benchmarks/gpu_offload.py "$OUT_DIR" --preset tiny --device cpu \
+        --repeats 1 --prefill 64 --decode-steps 2
+fi
 
 # ---------------------------------------------------------------- summary
 say "summary (total $(( $(date +%s) - START )) s):"
@@ -150,4 +190,5 @@ for line in "${STATUS[@]}"; do
     if [[ "$line" == *FAILED* ]]; then FAILED=1; fi
 done
 if [[ -f "$OUT_DIR/gpu_offload.md" ]]; then cat "$OUT_DIR/gpu_offload.md"; fi
+say "files in $OUT_DIR: $(cd "$OUT_DIR" && ls | tr '\n' ' ')"
 exit "$FAILED"

@@ -415,9 +415,9 @@ def transfer_calls(monkeypatch):
     calls: dict = {"pinned": [], "staged": 0}
     real_pin = _dispatch.pin_tensors
 
-    def pin(tensors, enabled=True):
+    def pin(tensors, enabled=True, **kwargs):
         calls["pinned"].append(sorted(tensors))
-        return real_pin(tensors, enabled)
+        return real_pin(tensors, enabled, **kwargs)
 
     class Stager(_redispatch.DeviceStager):
         def __call__(self, values, device):

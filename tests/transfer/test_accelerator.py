@@ -100,17 +100,31 @@ def test_pinned_side_stream_copies_keep_dtype_and_values(device):
     assert out["tied"] is out["bf16"]
 
 
-def test_side_stream_copies_are_ordered_under_load_and_memory_reuse(device):
-    """Many copies consumed while the compute stream is busy: no value is read early or overwritten."""
+def _late_copies(stream, device: torch.device) -> None:
+    """Queue a sleep on the copy stream, so the next copy finishes long after it was issued."""
+    if device.type == "cuda":
+        with stream.stream:
+            torch.cuda._sleep(10_000_000)  # about 5 ms: a 4 MiB copy takes about 0.1 ms
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["busy-consumer", "late-copies"])
+def test_side_stream_copies_are_ordered_under_load_and_memory_reuse(device, late):
+    """Many copies consumed while the compute stream is busy (a missing record_stream shows), or
+    while the copies themselves run late (a missing event wait shows): no value is read early or overwritten."""
     from bigmodel.transfer.copies import CopyStream
     from bigmodel.transfer.pinned import pin_tensors
 
+    if late and device.type != "cuda":
+        pytest.skip("late copies are made with torch.cuda._sleep")
     stream = CopyStream(device)
     sources = pin_tensors({str(i): torch.full((1 << 20,), float(i)) for i in range(24)})
     busy = torch.randn(2048, 2048, device=device)
     total = torch.zeros((), device=device)
     for i in range(24):
-        busy = busy @ busy / 2048  # keep the compute stream busy while the next copy is in flight
+        if late:
+            _late_copies(stream, device)
+        else:
+            busy = busy @ busy / 2048  # keep the compute stream busy while the next copy is in flight
         weight = stream.copy({"w": sources[str(i)]}).wait()["w"]
         total += weight.sum()
         del weight  # freed right after use: the next copy may reuse its memory only after this sum
@@ -119,14 +133,15 @@ def test_side_stream_copies_are_ordered_under_load_and_memory_reuse(device):
 
 def test_staging_buffer_round_trip_to_device(device):
     from bigmodel.transfer.copies import CopyStream
-    from bigmodel.transfer.pinned import StagingBuffer
+    from bigmodel.transfer.staging import StagingBuffer
 
     staging = StagingBuffer("8MiB")
     assert staging.pinned
     stream = CopyStream(device)
     outs = []
-    for i in range(6):  # 6 x 4 MiB through an 8 MiB ring
+    for i in range(6):  # 6 x 4 MiB through an 8 MiB ring, each copy late: regions wait for their copies
         batch = staging.stage({"w": torch.full((1 << 20,), float(i))}, timeout=30)
+        _late_copies(stream, device)
         pending = stream.copy(batch.tensors)
         batch.release(after=pending)
         outs.append(pending.wait()["w"])

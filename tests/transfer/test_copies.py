@@ -19,11 +19,11 @@ from bigmodel.transfer import pinned as _pinned
 from bigmodel.transfer.copies import CopyStream, DeviceStager, PendingCopy
 from bigmodel.transfer.pinned import (
     PINNED_ARENA_BYTES,
-    StagingBuffer,
     _plan_arenas,
     pin_memory_enabled,
     pin_tensors,
 )
+from bigmodel.transfer.staging import StagingBuffer
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool]
 
@@ -323,6 +323,7 @@ def fake_backend(monkeypatch):
     consumer = _FakeStream(log, "consumer")
     recorded = []
     monkeypatch.setattr(_transfer, "_uses_stream", lambda device: device.type == "cpu")
+    monkeypatch.setattr(_transfer, "_current_index", lambda device_type: 0)
     monkeypatch.setattr(_transfer, "_new_stream", lambda device: _FakeStream(log, "side"))
     monkeypatch.setattr(_transfer, "_current_stream", lambda device: consumer)
     monkeypatch.setattr(_transfer, "_new_event", lambda device: _FakeEvent(log))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import re
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -77,10 +77,21 @@ def _is_torch_device_string(text: str) -> bool:
     return True
 
 
+def _accelerator_function(name: str, backend_name: str) -> Any:
+    """``torch.accelerator.<name>``, or on torch releases that lack it (2.7-2.9) the current
+    backend module's ``<backend_name>`` (``torch.<type>.<backend_name>``); None if neither exists."""
+    function = getattr(torch.accelerator, name, None)
+    if function is None:
+        kind = accelerator_type()
+        function = getattr(getattr(torch, kind, None), backend_name, None) if kind else None
+    return function
+
+
 def accelerator_memory_info(index: int) -> tuple[int, int] | None:
     """``(free, total)`` bytes of accelerator ``index``, or None when the backend cannot report it."""
+    query = _accelerator_function("get_memory_info", "mem_get_info")
     try:
-        free, total = torch.accelerator.get_memory_info(index)
+        free, total = query(index)
     except (RuntimeError, NotImplementedError, AttributeError, TypeError):
         return None
     return int(free), int(total)
@@ -133,8 +144,9 @@ def empty_cache(device: torch.device) -> None:
     """Release cached allocator blocks of an accelerator (no-op on cpu/meta)."""
     if device.type in ("cpu", "meta") or not torch.accelerator.is_available():
         return
-    if hasattr(torch.accelerator, "empty_cache"):
-        torch.accelerator.empty_cache()
+    release = _accelerator_function("empty_cache", "empty_cache")
+    if release is not None:
+        release()
 
 
 def clear_device_cache(garbage_collection: bool = False) -> None:

@@ -18,16 +18,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.devices import DeviceSpec, is_accelerator, normalize_device
+from ..core.devices import DeviceSpec, is_accelerator, normalize_device, torch_device
 from ..core.tensors import (
     find_tied_parameters,
     get_submodule_and_name,
+    name_prefixes,
     retie_parameters,
 )
 from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded
 from ..hooks.align_hook import offload_hook_of
-from ..offload.storage import OffloadedWeightsLoader, PrefixedDataset, extract_submodules_state_dict
-from ..transfer.pinned import pin_tensors
+from ..offload.storage import (
+    OffloadedWeightsLoader,
+    PrefixedDataset,
+    extract_submodules_state_dict,
+)
+from ..transfer.pinned import pin_module_tensors, pin_tensors
 from .redispatch import (
     _enable_prefetch,
     _guard_moves,
@@ -91,21 +96,44 @@ def _tied_params_map(model: nn.Module) -> tuple[list[list[str]], dict[int, dict]
     return tied, pointers
 
 
-def _resident_groups(model: nn.Module, tied: list[list[str]]) -> list[list[str]]:
-    """The tied groups none of whose members is offloaded (those are tied again after hooking).
+def _resident_groups(model: nn.Module, tied: list[list[str]], device_map: Mapping[str, DeviceSpec]) -> list[list[str]]:
+    """The tied groups to tie again after hooking: none of their members offloaded, all on one device.
 
     Groups whose members are all offloaded share one placeholder (:func:`tie_offloaded`).  A group
     with offloaded and resident members is left as the hooks made it: the offloaded member keeps
     its ``meta`` placeholder and loads its value at its forward, so ``a.weight is b.weight``
     reads the same before and after the first forward (the ties come back when the hooks are
-    removed).
+    removed).  A group whose members are mapped to different devices is not tied while
+    dispatched, with a warning (as ``load_checkpoint_and_dispatch`` does when it loads one): each
+    member keeps the value on its own device, where its module runs.
     """
     offloaded = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
         hook = offload_hook_of(module)
         if hook is not None:
             offloaded.update(f"{prefix}.{name}" if prefix else name for name in hook.offloaded_names)
-    return [group for group in tied if offloaded.isdisjoint(group)]
+    resident = []
+    for group in tied:
+        devices = {_mapped_device(device_map, name) for name in group}
+        if len(devices) > 1:
+            logger.warning(
+                "Tied parameters %s were mapped to different devices %s; they are no longer tied.", group,
+                sorted(devices),
+            )
+        elif offloaded.isdisjoint(group):
+            resident.append(group)
+    return resident
+
+
+def _mapped_device(device_map: Mapping[str, DeviceSpec], name: str) -> str:
+    """The device ``name`` is mapped to, as text (``"cuda:1"``, ``"cpu"``, ``"disk"``)."""
+    device = next((device_map[p] for p in name_prefixes(name) if p in device_map), "cpu")
+    if device in ("cpu", "disk", "meta"):
+        return device
+    try:
+        return str(torch_device(device))
+    except ValueError:  # an accelerator index on a machine without one: attaching the hooks says so
+        return str(device)
 
 
 def _disk_weights(
@@ -214,9 +242,10 @@ def dispatch_model(
     _undispatch(model, "dispatch_model")
     on_cpu = not _runs_on_accelerator(main)
     if not on_cpu and state_dict is None and cpu_modules:
+        pin_module_tensors(model, cpu_modules)  # in place, an arena at a time: never two copies in RAM
         state_dict = extract_submodules_state_dict(model.state_dict(), cpu_modules)
     if not on_cpu and state_dict:
-        state_dict = pin_tensors(state_dict)  # once, for asynchronous copies (never the disk part)
+        state_dict = pin_tensors(state_dict, owner=model)  # once (never the disk part); freed with the model
     _disk_weights(model, disk_modules, offload_dir, offload_index, offload_buffers)
     offloaded_kinds = ("disk",) if on_cpu else ("cpu", "disk")
     execution_device = {name: main if d in ("cpu", "disk") else d for name, d in device_map.items()}
@@ -233,7 +262,7 @@ def dispatch_model(
         weights_map=weights_map, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
         tied_params_map=tied_map,
     )  # fmt: skip
-    retie_parameters(model, _resident_groups(model, tie_offloaded(model, tied)))
+    retie_parameters(model, _resident_groups(model, tie_offloaded(model, tied), device_map))
     if any(offload.values()):
         kinds = sorted({d for d in map(str, device_map.values()) if d in offloaded_kinds})
         logger.info("Modules offloaded to %s run on %s.", "/".join(kinds), main)

@@ -20,6 +20,15 @@ Staging is one function, ``stage(values, device) -> values``:
   :class:`bigmodel.transfer.copies.DeviceStager` (pinned staging buffer, side-stream copies) is
   the ``stage`` dispatch passes to :func:`enable_prefetch` for accelerators.  ``stage`` may
   return a dict or an object with ``wait() -> dict`` (called on the consuming thread before use).
+  A stage with a ``capture(device)`` method has it called on the forward thread when a module
+  is scheduled, and gets its result as a third argument (the forward thread's stream and
+  device index).  A stage with ``stages_small_modules = True`` also gets the modules below
+  ``min_bytes`` that lie between the ones staged ahead (the depth counts the others only).
+
+Memory on the accelerator: the modules staged ahead never hold more bytes together than the
+largest offloaded module (the room a device map keeps free is for one; depth 2 stages two
+only where they fit in that).  A prefetch that runs out of device memory is dropped with a
+warning and the module is read when it runs; any other error surfaces in that module's forward.
 
 Values are never changed by staging, so outputs are bit-identical with or without prefetch.
 Set ``BIGMODEL_PREFETCH_DEPTH=0`` to turn prefetching off (1 or 2 modules ahead otherwise).
@@ -54,7 +63,10 @@ MIN_BYTES = 1 << 20
 # every this many times it comes up for read-ahead (decode steps run each module once).
 RECHECK_EVERY = 8
 
-StageFn = Callable[[dict[str, torch.Tensor], "torch.device | None"], Any]
+# Below-threshold modules staged between two large ones, at most (stages with stages_small_modules).
+MAX_SMALL_AHEAD = 16
+
+StageFn = Callable[..., Any]
 
 _EXECUTOR: ThreadPoolExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()
@@ -165,6 +177,10 @@ class Prefetcher:
         self.stage = stage
         self.min_bytes = min_bytes
         self.in_place = stage is globals()["stage"]  # CPU values are used as they are: staging only faults pages
+        self.stages_small = bool(getattr(stage, "stages_small_modules", False)) and not self.in_place
+        self._capture = getattr(stage, "capture", None)
+        self._warned_memory = False
+        self._largest = 0  # bytes of the largest module in the order (known once it is recorded)
         self.recording = True
         self._order: list[weakref.ref] = []
         self._bytes: list[int] = []  # offloaded bytes of each hook in the order (read once, while recording)
@@ -211,23 +227,50 @@ class Prefetcher:
                 self._bytes.append(hook.offloaded_bytes)
                 return
             self.recording = False
+            self._largest = max(self._bytes)
         index = self._position.get(key)
         if index is None or self.depth <= 0:
             return
-        count = len(self._order)
-        ahead = [(index + step) % count for step in range(1, min(self.depth, count - 1) + 1)]
+        ahead = self._ahead(index)
         if self._pending:
             ahead_keys = {id(self._order[j]()) for j in ahead}
             for stale in [k for k in self._pending if k not in ahead_keys]:
                 self._pending.pop(stale).cancel()
+        large = [self._bytes[self._position[k]] for k in self._pending]
+        staged, largest = sum(b for b in large if b >= self.min_bytes), self._largest
         for j in ahead:
-            target = self._order[j]() if self._bytes[j] >= self.min_bytes else None
+            target = self._order[j]()
             if target is None or id(target) in self._pending:
                 continue
             if self.in_place and _on_cpu(target.device):
                 self._read_ahead_in_place(target)
-            else:
-                self._pending[id(target)] = _executor().submit(self._fetch, self._order[j])
+                continue
+            if self._bytes[j] >= self.min_bytes:
+                if staged + self._bytes[j] > largest:
+                    break  # the modules staged ahead hold at most the largest module's bytes
+                staged += self._bytes[j]
+            context = self._capture(target.device) if self._capture is not None else None
+            self._pending[id(target)] = _executor().submit(self._fetch, self._order[j], context)
+
+    def _ahead(self, index: int) -> list[int]:
+        """Positions to stage after ``index``: the next ``depth`` modules of at least ``min_bytes``
+        (wrapping around), with the smaller ones between them when the stage takes those too."""
+        count = len(self._order)
+        if not self.stages_small:
+            steps = range(1, min(self.depth, count - 1) + 1)
+            return [j for j in ((index + step) % count for step in steps) if self._bytes[j] >= self.min_bytes]
+        ahead, large, small = [], 0, 0
+        for step in range(1, count):
+            j = (index + step) % count
+            if self._bytes[j] >= self.min_bytes:
+                ahead.append(j)
+                large += 1
+                if large == self.depth:
+                    break
+            elif small < MAX_SMALL_AHEAD:
+                ahead.append(j)
+                small += 1
+        return ahead
 
     def _read_ahead_in_place(self, target: Any) -> None:
         """Fault ``target``'s pages in on the background thread unless they are in RAM already.
@@ -247,11 +290,28 @@ class Prefetcher:
         else:
             self._pending[key] = _executor().submit(self.stage, values, target.device)
 
-    def _fetch(self, ref: weakref.ref) -> Any:
+    def _fetch(self, ref: weakref.ref, context: Any = None) -> Any:
         hook = ref()
         if hook is None:
             return None
-        return self.stage(self.read(hook), hook.device)
+        values = self.read(hook)
+        try:
+            if context is None:
+                return self.stage(values, hook.device)
+            return self.stage(values, hook.device, context)
+        except torch.OutOfMemoryError as error:  # a prefetch is an optimisation: read the module when it runs
+            self._out_of_memory(hook, error)
+            return None
+
+    def _out_of_memory(self, hook: Any, error: BaseException) -> None:
+        log = logger.debug if self._warned_memory else logger.warning
+        self._warned_memory = True
+        log(
+            "Out of device memory while prefetching %r (%d bytes); it is read when it runs instead. "
+            "Leave more room on the execution device (max_memory) or set %s=0 to stop prefetching. (%s)",
+            getattr(hook, "module_name", "") or type(hook).__name__, getattr(hook, "offloaded_bytes", 0),
+            DEPTH_ENV, str(error).splitlines()[0] if str(error) else type(error).__name__,
+        )
 
     def invalidate(self) -> None:
         """Drop everything staged (call when a weights map's values change)."""
@@ -304,4 +364,12 @@ def enable_prefetch(
     prefetcher = Prefetcher(depth, stage if stage is not None else globals()["stage"], min_bytes)
     for hook in hooks:
         hook.prefetcher = prefetcher
+    if callable(getattr(prefetcher.stage, "close", None)):  # its buffers go back with the model
+        weakref.finalize(model, _close_stage, weakref.ref(prefetcher.stage)).atexit = False
     return prefetcher
+
+
+def _close_stage(ref: weakref.ref) -> None:
+    stage = ref()
+    if stage is not None:
+        stage.close()

@@ -31,7 +31,7 @@ from ..offload.storage import (
     offload_state_dict,
     parse_dtype,
 )
-from ..transfer.pinned import pin_tensors
+from ..transfer.pinned import pin_module_tensors, pin_tensors
 from .redispatch import (
     _enable_prefetch,
     _guard_moves,
@@ -173,9 +173,11 @@ def cpu_offload(
     _undispatch(model, "cpu_offload")
     device = execution_device if execution_device is not None else _default_device(model)
     if state_dict is None:
+        if _runs_on_accelerator(device):
+            pin_module_tensors(model)  # in place, an arena at a time: the model is never in RAM twice
         state_dict = {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
     if _runs_on_accelerator(device):
-        state_dict = pin_tensors(state_dict)  # once, for asynchronous copies to the device
+        state_dict = pin_tensors(state_dict, owner=model)  # once; given back when the model is deleted
     _attach_whole_model(model, device, state_dict, offload_buffers, preload_module_classes)
     return model
 

@@ -4,7 +4,12 @@
   waits on that event (``PendingCopy.wait``), the host never waits on the whole device.
 - :class:`DeviceStager` — the prefetcher's staging function for an accelerator: pinned values
   are copied directly, pageable ones (memory-mapped disk weights) go through a bounded pinned
-  :class:`~bigmodel.transfer.pinned.StagingBuffer` first.
+  :class:`~bigmodel.transfer.staging.StagingBuffer` first.  A copy that fails gives its staging
+  region back; the stager is the only releaser of its ring, so it never waits for a region it
+  did not release (it raises instead of blocking the prefetch thread).
+
+What belongs to the thread that runs the forward (its current stream, its current device index)
+is read on that thread: :meth:`DeviceStager.capture` there, the copy later on the prefetch thread.
 
 Everything goes through :mod:`torch.accelerator`, :class:`torch.Stream` and
 :class:`torch.Event`; the backend is :func:`bigmodel.core.devices.accelerator_type`.  On a machine
@@ -21,13 +26,21 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..core.devices import DeviceSpec, accelerator_type, torch_device
 from ..core.sizes import convert_file_size_to_int
-from .pinned import StagingBuffer, _align, _nbytes, _same_tensor_key, pin_memory_enabled
+from .pinned import (
+    _align,
+    _nbytes,
+    _same_tensor_key,
+    empty_host_cache,
+    pin_memory_enabled,
+)
+from .staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +63,34 @@ def _current_stream(device: torch.device) -> torch.Stream:
 
 def _new_event(device: torch.device) -> torch.Event:
     return torch.Event(device=device)
+
+
+def _current_index(device_type: str) -> int:
+    return torch.accelerator.current_device_index()
+
+
+def _device_copy(tensor: torch.Tensor, target: torch.device) -> torch.Tensor:
+    """One asynchronous copy, queued on the calling thread's current stream."""
+    return tensor.to(target, non_blocking=True)
+
+
+def resolve_device(device: DeviceSpec) -> torch.device:
+    """``device`` as a torch.device with an index when it is an accelerator: an index-less
+    ``"cuda"`` means the calling thread's current device (call it on the thread that runs the forward).
+
+    Args:
+        device: a device spec (an accelerator index, ``"cuda"``, ``"cuda:1"``, a torch.device, ``"cpu"``).
+
+    Returns:
+        The torch.device; cpu and meta are returned as they are.
+
+    Raises:
+        ValueError: for ``"disk"`` or an accelerator index on a machine without an accelerator.
+    """
+    device = torch_device(device)
+    if device.index is None and device.type != "meta" and _uses_stream(device):
+        return torch.device(device.type, _current_index(device.type))
+    return device
 
 
 def _is_device_source(tensor: torch.Tensor, target: torch.device) -> bool:
@@ -133,9 +174,7 @@ class CopyStream:
         Raises:
             ValueError: for ``"disk"`` or an accelerator index on a machine without an accelerator.
         """
-        self.device = torch_device(device)
-        if self.device.type not in ("cpu", "meta") and self.device.index is None:
-            self.device = torch.device(self.device.type, torch.accelerator.current_device_index())
+        self.device = resolve_device(device)
         self.stream = _new_stream(self.device) if _uses_stream(self.device) else None
         # Set when the backend cannot record_stream: later copies then wait for the consumer first.
         self._fence_consumer = False
@@ -153,13 +192,15 @@ class CopyStream:
         return target
 
     def copy(self, tensors: Mapping[str, torch.Tensor], device: DeviceSpec | None = None,
-             non_blocking: bool = True) -> PendingCopy:
+             non_blocking: bool = True, consumer: torch.Stream | None = None) -> PendingCopy:
         """Copy ``tensors`` to ``device`` (default: this stream's device), keeping each dtype.
 
         Args:
             tensors: name → tensor (tied tensors are copied once and stay shared).
             device: the target; must be this stream's device when it is an accelerator.
             non_blocking: False makes the host wait for these copies before returning.
+            consumer: the stream that will use the tensors (default: the calling thread's current
+                stream); give it when copying on another thread than the consumer's.
 
         Returns:
             A :class:`PendingCopy`; call ``wait()`` on the consuming stream to get the tensors.
@@ -181,22 +222,23 @@ class CopyStream:
             copied = {key: t.to(target, non_blocking=non_blocking and target.type != "cpu")
                       for key, t in sources.items()}
             return PendingCopy(self._by_name(tensors, copied), target)
-        copied, event = self._copy_on_stream(sources, target, non_blocking)
+        copied, event = self._copy_on_stream(sources, target, non_blocking, consumer)
         return PendingCopy(self._by_name(tensors, copied), target, event, self)
 
     @staticmethod
     def _by_name(tensors: Mapping[str, torch.Tensor], copied: dict[tuple, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: copied[_same_tensor_key(tensor)] for name, tensor in tensors.items()}
 
-    def _copy_on_stream(self, sources: dict[tuple, torch.Tensor], target: torch.device,
-                        non_blocking: bool) -> tuple[dict[tuple, torch.Tensor], torch.Event]:
-        consumer = _current_stream(target)
+    def _copy_on_stream(self, sources: dict[tuple, torch.Tensor], target: torch.device, non_blocking: bool,
+                        consumer: torch.Stream | None) -> tuple[dict[tuple, torch.Tensor], torch.Event]:
+        if consumer is None:
+            consumer = _current_stream(target)
         if self._fence_consumer or any(_is_device_source(t, target) for t in sources.values()):
             # Device sources may still be written by the consumer; without record_stream, memory the
             # consumer freed may still be read by it.  Either way: start after its queued work.
             self.stream.wait_stream(consumer)
         with self.stream:
-            copied = {key: t.to(target, non_blocking=True) for key, t in sources.items()}
+            copied = {key: _device_copy(t, target) for key, t in sources.items()}
             event = _new_event(target)
             event.record(self.stream)
         if not non_blocking:
@@ -211,16 +253,34 @@ STAGING_ENV = "BIGMODEL_STAGING_BYTES"
 DEFAULT_STAGING_BYTES = 256 * 2**20
 
 
+@dataclass(frozen=True)
+class StageContext:
+    """What a copy made on the prefetch thread needs from the forward thread (:meth:`DeviceStager.capture`).
+
+    Attributes:
+        device: the execution device, with the forward thread's current index when it had none.
+        consumer: the forward thread's current stream on that device (None for a CPU device).
+    """
+
+    device: torch.device
+    consumer: Any = None
+
+
 class DeviceStager:
     """The prefetcher's staging function for accelerators: ``stager(values, device) -> PendingCopy``.
 
     Pinned values (see :func:`pin_tensors`) are copied straight to the device on a side stream.
     Pageable values (memory-mapped weights from disk, unpinned RAM) are first read into a bounded
     pinned :class:`StagingBuffer` on the calling (prefetch) thread, then copied; their staging
-    region is reused as soon as that copy is done.  For a CPU device the values are returned as
-    they are.  Call it from the prefetch thread; call ``wait()`` on the result from the thread
-    that runs the forward.
+    region is reused as soon as that copy is done (if the buffer cannot be pinned they are copied
+    directly).  For a CPU device the values are returned as they are.  Call :meth:`capture` on
+    the thread that runs the forward and pass its result along; call the stager from the
+    prefetch thread and ``wait()`` on the result from the forward thread.
     """
+
+    # Every module is worth staging ahead: a module read when it runs is copied from pageable
+    # memory on the compute stream, where the host may have to wait for the device.
+    stages_small_modules = True
 
     def __init__(self, staging_bytes: int | str | None = None, *, pin: bool = True) -> None:
         """Args:
@@ -238,13 +298,30 @@ class DeviceStager:
     def __deepcopy__(self, memo: dict) -> DeviceStager:
         """A new stager with the same settings (its own streams and staging buffer, made when first used)."""
         return DeviceStager(self.staging_bytes, pin=self.pin)
+    def capture(self, device: torch.device | None) -> StageContext | None:
+        """Read, on the forward thread, what the copy needs from it (device index, current stream).
+
+        Args:
+            device: the execution device (index-less means the calling thread's current one).
+
+        Returns:
+            The context to pass to ``stager(values, device, context)``; None for a CPU device.
+        """
+        if device is None or not _uses_stream(device):
+            return None
+        resolved = resolve_device(device)
+        return StageContext(resolved, _current_stream(resolved))
 
     def _buffer(self, nbytes: int) -> StagingBuffer:
         with self._lock:
             if self._staging is None or self._staging.capacity < nbytes:
+                if self._staging is not None:  # outgrown: its memory goes back before more is pinned
+                    self._staging.close()
+                    self._staging = None
+                    empty_host_cache()
                 capacity = max(self.staging_bytes, 1 << (2 * nbytes - 1).bit_length())
                 logger.debug("Staging buffer of %d bytes for reads ahead from disk.", capacity)
-                self._staging = StagingBuffer(capacity)  # in-flight copies keep the old one alive
+                self._staging = StagingBuffer(capacity)
             return self._staging
 
     def _stream(self, device: torch.device) -> CopyStream:
@@ -253,19 +330,58 @@ class DeviceStager:
                 self._streams[device] = CopyStream(device)
             return self._streams[device]
 
-    def __call__(self, values: Mapping[str, torch.Tensor], device: torch.device | None) -> Any:
+    def __call__(self, values: Mapping[str, torch.Tensor], device: torch.device | None,
+                 context: StageContext | None = None) -> Any:
         """Start copying ``values`` to ``device``.
+
+        Args:
+            values: name → tensor (pinned, pageable or memory-mapped).
+            device: the execution device.
+            context: :meth:`capture`'s result from the forward thread (default: read on this thread).
 
         Returns:
             A :class:`PendingCopy` (accelerator) or the values unchanged (CPU or no device).
+
+        Raises:
+            TimeoutError: the staging ring holds a region this stager never released (a bug:
+                raised instead of waiting forever on the prefetch thread).
         """
         if device is None or not _uses_stream(device):
             return dict(values)
-        stream = self._stream(device)
+        if context is None:
+            context = self.capture(device)
+        stream = self._stream(context.device)
         pageable = {n: t for n, t in values.items() if t.device.type == "cpu" and not t.is_pinned()}
         if not pageable or not pin_memory_enabled(self.pin):
-            return stream.copy(values, device)
-        batch = self._buffer(sum(_align(_nbytes(t)) for t in pageable.values())).stage(pageable)
-        pending = stream.copy({name: batch.tensors.get(name, t) for name, t in values.items()}, device)
+            return stream.copy(values, context.device, consumer=context.consumer)
+        staging = self._buffer(sum(_align(_nbytes(t)) for t in pageable.values()))
+        if staging.pin_failed:  # no pinned memory to stage through: copy pageable values directly
+            return stream.copy(values, context.device, consumer=context.consumer)
+        batch = self._stage(staging, pageable)
+        try:
+            pending = stream.copy({name: batch.tensors.get(name, t) for name, t in values.items()}, context.device,
+                                  consumer=context.consumer)
+        except BaseException:
+            batch.release()  # nothing was queued that reads the region (or the copy's error ends its use)
+            raise
         batch.release(after=pending)
         return pending
+
+    @staticmethod
+    def _stage(staging: StagingBuffer, pageable: dict[str, torch.Tensor]) -> Any:
+        try:  # only this stager releases its regions: waiting for one it never released would never end
+            return staging.stage(pageable, timeout=0)
+        except TimeoutError as error:
+            raise TimeoutError(
+                f"The staging buffer holds {staging.used} bytes the prefetcher never released; this is a bug in "
+                "bigmodel (please report it). Set BIGMODEL_PREFETCH_DEPTH=0 to run without prefetching."
+            ) from error
+
+    def close(self) -> None:
+        """Drop the staging buffer (after the copies reading it) and give its pinned memory back."""
+        with self._lock:
+            staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
+            del staging
+            empty_host_cache()

@@ -1,33 +1,34 @@
-"""Pinned host memory: page-locked copies of CPU weights, and a bounded pinned staging buffer.
+"""Pinned host memory: page-locked copies of CPU weights, and giving that memory back.
 
 - :func:`pin_tensors` — page-locked copies of CPU-resident weights, so host→device copies run
   asynchronously at full bus speed.  Opt out with ``enabled=False`` or ``BIGMODEL_PIN_MEMORY=0``
   (pinning holds a second copy of the weights while the caller keeps the originals).
-- :class:`StagingBuffer` — one pinned buffer of a fixed size (bytes) that disk-resident weights
-  are read into, on a reader thread, just before they are copied to the device; its memory is
-  reused as a ring, never allocated per step.
+- :func:`pin_module_tensors` — moves a module's own CPU tensors into pinned memory in place, one
+  arena at a time, so a model is never held twice in RAM while it is pinned.
+- :func:`empty_host_cache` — torch's host allocator keeps freed pinned blocks page-locked in a
+  cache; this gives them back to the OS.  It runs after a failed pin, before each new pinning,
+  when a staging buffer is outgrown, and when a model whose weights were pinned (``owner=``) is
+  deleted.
 
 Whether memory is pinned depends on :func:`bigmodel.core.devices.accelerator_type` only (no backend
-named here).  On a machine without an accelerator pinning is the identity and the staging
-buffer uses ordinary memory.  Nothing here casts: tensors keep their storage dtype.
-The copies themselves (side streams, events) are in :mod:`bigmodel.transfer.copies`.
+named here).  On a machine without an accelerator pinning is the identity.  Nothing here casts:
+tensors keep their storage dtype.  The pinned staging ring for disk weights is
+:mod:`bigmodel.transfer.staging`; the copies themselves (side streams, events)
+:mod:`bigmodel.transfer.copies`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
-from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..core.devices import accelerator_type
-from ..core.sizes import convert_file_size_to_int
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,94 @@ def _plan_arenas(sizes: list[int], arena_bytes: int) -> tuple[list[int], list[tu
     return [1 << max(used - 1, 0).bit_length() for _, used in arenas], places
 
 
-def pin_tensors(tensors: Mapping[str, torch.Tensor], enabled: bool = True) -> dict[str, torch.Tensor]:
+def _empty_host_cache() -> None:
+    """Give the host allocator's cached (freed, still page-locked) pinned blocks back to the OS."""
+    if accelerator_type() is None:
+        return
+    release = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is None:
+        return
+    try:
+        release()
+    except RuntimeError as error:  # a backend without a host cache
+        logger.debug("Could not empty the pinned host cache: %s", error)
+
+
+def empty_host_cache() -> None:
+    """Return freed pinned host memory, which torch's host allocator keeps page-locked, to the OS.
+
+    Pinned blocks whose copies may still be running stay cached until a later call.  A no-op
+    on a machine without an accelerator.
+    """
+    _empty_host_cache()
+
+
+class PinnedTensors(dict):
+    """name → pinned tensor, as :func:`pin_tensors` returns it (a dict that can be weakly referenced)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _release(ref: weakref.ref) -> None:
+    pinned = ref()
+    if pinned is not None:
+        pinned.clear()  # the owner is gone: nothing reads these values any more
+    _empty_host_cache()
+
+
+def _release_with_owner(owner: object, pinned: PinnedTensors) -> None:
+    """Give ``pinned``'s memory back to the OS when ``owner`` (the model reading it) is deleted."""
+    finalizer = weakref.finalize(owner, _release, weakref.ref(pinned))
+    finalizer.atexit = False  # at interpreter exit the OS takes it all back anyway
+
+
+def _warn_unpinned(nbytes: int, error: object) -> None:
+    logger.warning(
+        "Could not pin %d bytes of host memory (%s); copies stay pageable and slower. "
+        "Set %s=0 to skip pinning on this machine.", nbytes, error, PIN_MEMORY_ENV,
+    )
+
+
+def _group_by_data(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[tuple, list[str]], dict[tuple, torch.Tensor]]:
+    """Names and first tensor per distinct data (tied tensors share one entry)."""
+    names: dict[tuple, list[str]] = {}
+    first: dict[tuple, torch.Tensor] = {}
+    for name, tensor in tensors:
+        key = _same_tensor_key(tensor)
+        names.setdefault(key, []).append(name)
+        first.setdefault(key, tensor)
+    return names, first
+
+
+def _fill_arenas(first: dict[tuple, torch.Tensor], place: Any) -> int:
+    """Copy each tensor of ``first`` into pinned arenas, one arena at a time; ``place(key, pinned)``
+    is called for each as soon as its copy is done (the caller drops its source there).
+
+    Returns:
+        Bytes pinned.
+
+    Raises:
+        RuntimeError: an arena could not be pinned (those filled before stay with the caller).
+    """
+    keys = list(first)
+    sizes, places = _plan_arenas([_nbytes(first[k]) for k in keys], PINNED_ARENA_BYTES)
+    by_arena: list[list[tuple[tuple, int]]] = [[] for _ in sizes]
+    for key, (index, offset) in zip(keys, places):
+        by_arena[index].append((key, offset))
+    done = 0
+    with torch.no_grad():
+        for size, members in zip(sizes, by_arena):
+            arena = _pinned_arena(size)
+            for key, offset in members:
+                pinned = _byte_view(arena, offset, first[key])
+                pinned.copy_(first.pop(key))
+                place(key, pinned)
+            done += size
+    return done
+
+
+def pin_tensors(tensors: Mapping[str, torch.Tensor], enabled: bool = True, *,
+                owner: object | None = None) -> dict[str, torch.Tensor]:
     """Page-locked copies of CPU tensors, for asynchronous host→device copies.
 
     Call it once with all CPU-resident weights of a model rather than per module: the tensors
@@ -118,235 +206,105 @@ def pin_tensors(tensors: Mapping[str, torch.Tensor], enabled: bool = True) -> di
     because host allocators round each pinned allocation up to a power of two, which would
     otherwise waste up to half of the pinned RAM.  Tied tensors are pinned once and stay shared.
     Tensors already pinned, or not on the CPU, are returned as they are.  The copies are
-    contiguous plain tensors of the same dtype and shape (never cast).
+    contiguous plain tensors of the same dtype and shape (never cast).  If pinning fails part
+    way (the OS limits locked memory), the arenas pinned so far are freed and given back to the
+    OS, and the tensors are returned unpinned.
 
     Args:
         tensors: name → tensor.
         enabled: False returns the tensors unchanged (so does ``BIGMODEL_PIN_MEMORY=0`` and a
             machine without an accelerator).
+        owner: the object that reads the pinned copies (the model): when it is deleted, the
+            returned dict is emptied and the pinned memory given back to the OS.
 
     Returns:
-        A new dict name → tensor (the same objects when pinning is off).
+        A new dict (a :class:`PinnedTensors`) name → tensor (the same objects when pinning is off).
 
     Raises:
         ValueError: if ``BIGMODEL_PIN_MEMORY`` is not a switch.
     """
     if not pin_memory_enabled(enabled):
         return dict(tensors)
-    todo: dict[tuple, list[str]] = {}
+    todo, first = _group_by_data(
+        (name, t) for name, t in tensors.items() if t.device.type == "cpu" and not t.is_pinned() and t.numel()
+    )
+    out = PinnedTensors(tensors)
+    if todo:
+        _empty_host_cache()  # blocks freed since the last pinning go back before more is locked
+        total = sum(_align(_nbytes(t)) for t in first.values())
+        error = _pin_into(out, todo, first)
+        if error is not None:  # the partial arenas died with _pin_into's frame: give them back
+            _empty_host_cache()
+            _warn_unpinned(total, error)
+            return dict(tensors)
+    if owner is not None:
+        _release_with_owner(owner, out)
+    return out
+
+
+def _pin_into(out: dict[str, torch.Tensor], todo: dict[tuple, list[str]], first: dict[tuple, torch.Tensor]) -> str | None:
+    """Replace ``out``'s entries by pinned copies; on failure restore them and return the error text."""
+    originals = dict(out)
+    try:
+        done = _fill_arenas(first, lambda key, pinned: out.update(dict.fromkeys(todo[key], pinned)))
+    except RuntimeError as error:  # page-locking can fail when the OS limits locked memory
+        out.update(originals)
+        return str(error)
+    logger.debug("Pinned %d tensors (%d bytes).", len(todo), done)
+    return None
+
+
+def pin_module_tensors(module: nn.Module, prefixes: Iterable[str] | None = None, enabled: bool = True) -> int:
+    """Move ``module``'s own CPU tensors into pinned memory, in place, one arena at a time.
+
+    Each parameter and buffer keeps its object (and ``requires_grad``); its data is replaced by
+    a pinned copy (contiguous, same dtype and values) as soon as its arena is filled, so the old
+    memory is freed arena by arena: pinning a model held in RAM needs one arena more, not a
+    second model.  Tensor subclasses, non-CPU, empty and already pinned tensors are left alone.
+    If pinning fails part way, the tensors pinned so far stay pinned and the rest pageable.
+
+    Args:
+        module: the model.
+        prefixes: module names (``""`` for all) whose tensors are pinned; None pins all of them.
+        enabled: False does nothing (so does ``BIGMODEL_PIN_MEMORY=0`` and a machine without
+            an accelerator).
+
+    Returns:
+        Bytes of pinned arenas filled.
+
+    Raises:
+        ValueError: if ``BIGMODEL_PIN_MEMORY`` is not a switch.
+    """
+    if not pin_memory_enabled(enabled):
+        return 0
+    wanted = None if prefixes is None else tuple(prefixes)
+    groups: dict[tuple, list[torch.Tensor]] = {}
     first: dict[tuple, torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if tensor.device.type != "cpu" or tensor.is_pinned() or tensor.numel() == 0:
-            out[name] = tensor
+    for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if wanted is not None and not any(p == "" or name == p or name.startswith(p + ".") for p in wanted):
+            continue
+        if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.device.type != "cpu" or not tensor.numel() \
+                or tensor.layout != torch.strided or tensor.is_pinned():
             continue
         key = _same_tensor_key(tensor)
-        todo.setdefault(key, []).append(name)
+        if all(tensor is not other for other in groups.setdefault(key, [])):
+            groups[key].append(tensor)
         first.setdefault(key, tensor)
-    keys = list(todo)
-    sizes, places = _plan_arenas([_nbytes(first[k]) for k in keys], PINNED_ARENA_BYTES)
+    if not first:
+        return 0
+    total = sum(_nbytes(t) for t in first.values())
+    _empty_host_cache()
+
+    def place(key: tuple, pinned: torch.Tensor) -> None:
+        for tensor in groups.pop(key):
+            tensor.data = pinned  # the old storage is freed once its last user is swapped
+
     try:
-        arenas = [_pinned_arena(size) for size in sizes]
+        _fill_arenas(first, place)
+        return total
     except RuntimeError as error:  # page-locking can fail when the OS limits locked memory
-        logger.warning(
-            "Could not pin %d bytes of host memory (%s); copies stay pageable and slower. "
-            "Set %s=0 to skip pinning on this machine.", sum(sizes), error, PIN_MEMORY_ENV,
-        )
-        return dict(tensors)
-    for key, (arena, offset) in zip(keys, places):
-        pinned = _byte_view(arenas[arena], offset, first[key])
-        pinned.copy_(first[key])
-        for name in todo[key]:
-            out[name] = pinned
-    logger.debug("Pinned %d tensors into %d arenas (%d bytes).", len(keys), len(arenas), sum(sizes))
-    return {name: out[name] for name in tensors}
-
-
-# ----------------------------------------------------------------------------- staging buffer
-
-
-@dataclass(eq=False)
-class StagedBatch:
-    """Tensors read into a region of a :class:`StagingBuffer`; give the region back with :meth:`release`.
-
-    Attributes:
-        tensors: name → view into the staging buffer (same dtype and shape as the source).
-        start: first byte of the region in the buffer.
-        end: one past the last byte of the region.
-    """
-
-    tensors: dict[str, torch.Tensor]
-    start: int
-    end: int
-    _owner: StagingBuffer = field(repr=False)
-    _released: bool = field(default=False, repr=False)
-    _fence: Any = field(default=None, repr=False)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the buffer this batch holds (aligned)."""
-        return self.end - self.start
-
-    def release(self, after: Any = None) -> None:
-        """Give the region back; with ``after``, only once that copy has read it.
-
-        Args:
-            after: the copy that reads these tensors: a :class:`bigmodel.transfer.copies.PendingCopy`
-                (its ``event`` is used) or a :class:`torch.Event`.  The region is reused only when
-                it has completed; the wait happens on the thread that needs the space, never on
-                the device as a whole.  None: the region is free at once (the caller is done).
-
-        Raises:
-            RuntimeError: if the batch was already released.
-        """
-        self._owner._release(self, getattr(after, "event", after))
-
-
-class StagingBuffer:
-    """A bounded staging buffer (pinned when an accelerator exists) for weights read from disk.
-
-    A reader thread calls :meth:`stage` to copy a module's weights (mmap views of a safetensors
-    file or an offload folder) into the buffer, the main thread copies the staged views to the
-    device and releases the batch with ``after=`` that copy.  The buffer is allocated once and
-    used as a ring: regions are handed out in order and come back when released, so reads ahead
-    are bounded by ``capacity`` bytes.  :meth:`stage` blocks (on the calling thread only) until
-    enough space is free.  Thread-safe.
-
-    Do not stage weights for a ``cpu`` execution device: a copy to the CPU returns the staged
-    views themselves, which the next read would overwrite; use the weights in place there.
-    """
-
-    def __init__(self, capacity: int | str, *, pin: bool = True, alignment: int = ALIGNMENT) -> None:
-        """Allocate the buffer.
-
-        Args:
-            capacity: size in bytes (or a string such as ``"2GiB"``).  Powers of two waste nothing
-                where the host allocator rounds up.
-            pin: page-lock the buffer (ignored without an accelerator or with ``BIGMODEL_PIN_MEMORY=0``).
-            alignment: byte multiple of every tensor's offset.
-
-        Raises:
-            ValueError: if ``capacity`` or ``alignment`` is not a positive size.
-        """
-        self.capacity = convert_file_size_to_int(capacity)
-        if self.capacity <= 0 or alignment <= 0:
-            raise ValueError(
-                f"StagingBuffer needs a positive capacity and alignment (got {capacity!r} and {alignment}); "
-                "give the bytes to read ahead, e.g. '1GiB'."
-            )
-        self.alignment = alignment
-        self.pinned = pin_memory_enabled(pin)
-        with torch.inference_mode(False):  # reused across forwards: never an inference tensor
-            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pinned)
-        self._live: deque[StagedBatch] = deque()
-        self._cond = threading.Condition()
-
-    @property
-    def used(self) -> int:
-        """Bytes held by batches not yet reclaimed (released batches count until reclaimed)."""
-        with self._cond:
-            return sum(batch.nbytes for batch in self._live)
-
-    def stage(self, tensors: Mapping[str, torch.Tensor], timeout: float | None = None) -> StagedBatch:
-        """Copy ``tensors`` into one free region of the buffer.
-
-        Args:
-            tensors: name → CPU tensor (any dtype; copied bit for bit, never cast).  Tied tensors
-                are staged once.
-            timeout: seconds to wait for free space; None waits until another thread releases.
-
-        Returns:
-            The staged batch; its ``tensors`` are contiguous views into the buffer.
-
-        Raises:
-            ValueError: if the tensors need more than ``capacity`` bytes, or one is not on the CPU.
-            TimeoutError: if no space freed up within ``timeout`` seconds.
-        """
-        unique: dict[tuple, torch.Tensor] = {}
-        for name, tensor in tensors.items():
-            if tensor.device.type != "cpu":
-                raise ValueError(
-                    f"Cannot stage {name!r}: it is on {tensor.device}, not the CPU; copy device tensors "
-                    "directly with CopyStream.copy."
-                )
-            unique.setdefault(_same_tensor_key(tensor), tensor)
-        offsets, total = {}, 0
-        for key, tensor in unique.items():
-            offsets[key] = total
-            total += _align(_nbytes(tensor), self.alignment)
-        if total > self.capacity:
-            raise ValueError(
-                f"Staging {len(unique)} tensors ({', '.join(map(repr, list(tensors)[:3]))}) needs {total} bytes, "
-                f"more than the staging buffer's {self.capacity}; create the StagingBuffer with a capacity "
-                "of at least the largest offloaded module's size."
-            )
-        batch = self._reserve(total, timeout)
-        views = {}
-        try:
-            for key, tensor in unique.items():
-                views[key] = _byte_view(self.buffer, batch.start + offsets[key], tensor)
-                views[key].copy_(tensor)  # the disk read, for memory-mapped sources
-        except BaseException:
-            batch.release()  # a failed read must not leave its region reserved forever
-            raise
-        batch.tensors = {name: views[_same_tensor_key(tensor)] for name, tensor in tensors.items()}
-        return batch
-
-    def _place(self, nbytes: int) -> int | None:
-        """Offset of a free contiguous region of ``nbytes`` after the newest batch, or None."""
-        if not self._live:
-            return 0
-        first, last = self._live[0].start, self._live[-1]
-        if last.start >= first:  # not wrapped: free space is after the newest and before the oldest
-            if last.end + nbytes <= self.capacity:
-                return last.end
-            return 0 if nbytes <= first else None
-        return last.end if last.end + nbytes <= first else None
-
-    def _reclaim(self) -> bool:
-        """Drop released batches from the front whose copies are done; True if any was dropped."""
-        dropped = False
-        while self._live and self._live[0]._released:
-            fence = self._live[0]._fence
-            if fence is not None and not fence.query():
-                break
-            self._live.popleft()
-            dropped = True
-        return dropped
-
-    def _reserve(self, nbytes: int, timeout: float | None) -> StagedBatch:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                self._reclaim()
-                start = self._place(nbytes)
-                if start is not None:
-                    batch = StagedBatch({}, start, start + nbytes, self)
-                    self._live.append(batch)
-                    return batch
-                fence = self._live[0]._fence if self._live[0]._released else None
-                if fence is not None:  # this thread waits for one copy, never for the whole device
-                    self._cond.release()
-                    try:
-                        fence.synchronize()
-                    finally:
-                        self._cond.acquire()
-                    continue
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not self._cond.wait(left) and left is not None:
-                    raise TimeoutError(
-                        f"No {nbytes} free bytes in the staging buffer ({self.capacity} bytes, "
-                        f"{len(self._live)} batches unreleased) after {timeout} s; release staged batches "
-                        "once copied (StagedBatch.release) or use a larger capacity."
-                    )
-
-    def _release(self, batch: StagedBatch, fence: Any) -> None:
-        with self._cond:
-            if batch._released or batch._owner is not self:
-                raise RuntimeError(
-                    f"Staged batch at bytes {batch.start}..{batch.end} was already released; release each "
-                    "batch exactly once, after its copy has been issued."
-                )
-            batch._released, batch._fence = True, fence
-            self._reclaim()
-            self._cond.notify_all()
+        message = str(error)
+    left = sum(_nbytes(t) for t in first.values())
+    _empty_host_cache()
+    _warn_unpinned(left, message)
+    return total - left
