@@ -7,8 +7,9 @@ disk layers' bytes are dropped from the page cache: the byte ranges of the disk-
 in the checkpoint shards plus every file of the offload folder (accelerate's ``.dat`` copies),
 unmapped from the process first (see :mod:`benchmarks.pagecache`).  Never a global drop.
 
-Rows: the time per cold forward; the cold sequential read of the same bytes (8 MiB reads,
-measured in the same process, just before the forwards); the fraction of those pages still
+Rows: the time per cold forward; the cold sequential read of the disk layers' bytes the
+implementation reads (its offload folder's files if it wrote any, else the shards' ranges; 8 MiB
+reads, measured in the same process, just before the forwards); the fraction of those pages still
 cached right after a drop (0 = the drop worked).  Floor: max(cold sequential read of the disk
 layers' byte ranges of the shards, in-memory forward of the whole model without hooks).
 """
@@ -32,7 +33,7 @@ VOCAB = fixtures.LLAMA_2GB["vocab_size"]
 def disk_ranges(device_map: dict[str, str], offload_folder: str | None) -> dict[str, list[tuple[int, int]]]:
     """Byte ranges holding the disk-mapped weights: in the shards, and every file of ``offload_folder``."""
     ranges = {}
-    for path in fixtures.checkpoint_files("st"):
+    for path in fixtures.checkpoint_files("st") if device_map else []:
         spans = safetensors_ranges(path, names_on(device_map, "disk", safetensors_names(path)))
         if spans:
             ranges[str(path)] = pagecache.merge(spans)
@@ -42,11 +43,11 @@ def disk_ranges(device_map: dict[str, str], offload_folder: str | None) -> dict[
     return ranges
 
 
-def _cold_forwards(model, ranges, repeats: int) -> Metrics:
+def _cold_forwards(model, ranges, source, repeats: int) -> Metrics:
     ids = input_ids(VOCAB)
     with torch.no_grad():
         model(ids[:, :8])  # warm-up: first-call costs; lets an implementation learn the layer order
-        read_s, nbytes = pagecache.read_cold(ranges)
+        read_s, nbytes = pagecache.read_cold(source)
         times, left = [], []
         for _ in range(repeats):
             pagecache.drop(ranges)
@@ -64,7 +65,9 @@ def run(lib: Any, params: dict[str, Any]) -> Metrics:
     try:
         lib.load_checkpoint_and_dispatch(model, params["checkpoint"], device_map=params["device_map"],
                                          offload_folder=folder)
-        return _cold_forwards(model, disk_ranges(params["device_map"], folder), params["repeats"])
+        ranges = disk_ranges(params["device_map"], folder)
+        written = disk_ranges({}, folder)  # the offload folder's files (accelerate's .dat copies), if any
+        return _cold_forwards(model, ranges, written or disk_ranges(params["device_map"], None), params["repeats"])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -50,6 +50,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..offload.readahead import ReadAhead
+
 logger = logging.getLogger(__name__)
 
 DEPTH_ENV = "BIGMODEL_PREFETCH_DEPTH"
@@ -188,6 +190,7 @@ class Prefetcher:
         self._pending: dict[int, Future] = {}
         self._trusted: dict[int, int] = {}  # id(hook) → turns left before its residency is asked again
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
+        self.readahead = ReadAhead(self.read)  # storage reads ahead of the page faults (file-backed values)
 
     def __deepcopy__(self, memo: dict) -> Prefetcher:
         """A fresh prefetcher with the same settings (a copied model learns its own order; nothing staged)."""
@@ -231,6 +234,7 @@ class Prefetcher:
         index = self._position.get(key)
         if index is None or self.depth <= 0:
             return
+        self.readahead.advance(self._order, index)
         ahead = self._ahead(index)
         if self._pending:
             ahead_keys = {id(self._order[j]()) for j in ahead}
@@ -319,6 +323,7 @@ class Prefetcher:
             future.cancel()
         self._pending.clear()
         self._trusted.clear()
+        self.readahead.reset()
 
 
 def _on_cpu(device: torch.device | None) -> bool:

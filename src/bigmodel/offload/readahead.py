@@ -1,0 +1,251 @@
+"""Read offloaded weights from storage ahead of use, and let go of the ones already used.
+
+Offloaded values backed by files (safetensors entries, ``.dat`` files of an offload folder)
+are memory-mapped views.  Read through page faults, a cold view is read in small,
+one-at-a-time requests.  :class:`ReadAhead` instead tells the kernel, for exactly the byte
+ranges of the modules about to run, that they are needed (``madvise(MADV_WILLNEED)``: the
+kernel queues large reads of the whole range at once and returns), a bounded number of bytes
+ahead of the module running now (``window`` bytes: page cache used by reads ahead stays
+bounded).  When the offloaded bytes exceed what the page cache can hold, a module's ranges are
+released once it has run (``madvise(MADV_PAGEOUT)``, else ``MADV_COLD``: clean file pages are
+dropped, so the kernel does not evict what is needed next instead), except for a prefix of the
+execution order that fits in half of the available memory and stays cached from one forward to
+the next (fewer bytes read per forward).
+
+Both calls are hints: they never change a value (a released page is read again from its file
+on the next access), and they are only made on spans of file-backed mappings (never on
+anonymous memory, which MADV_PAGEOUT could swap out).  They run on one background thread.
+Nothing is done while the offloaded bytes are in RAM already: at the start of each forward
+``mincore`` is asked about the first pages of ``PROBES`` modules spread over the order (all
+modules' first and last pages while reading ahead); a warm page cache then costs a few
+microseconds per forward and one attribute check per module.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "BIGMODEL_READAHEAD"  # "0" turns reading ahead from storage off
+MADV_WILLNEED = 3
+MADV_COLD = 20
+MADV_PAGEOUT = 21
+WINDOW_BYTES = 512 << 20  # default bytes read ahead of the running module
+PROBES = 8  # modules whose first pages are checked at the start of each forward while not reading ahead
+RETAIN_FRACTION = 0.5  # of the available memory, for the prefix kept cached between forwards
+STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory: release after use
+_SAMPLE_PAGES = 16
+
+Span = tuple[int, int]  # (page-aligned address, length in bytes)
+
+
+def _load_libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_EXECUTOR: ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigmodel-readahead")
+        return _EXECUTOR
+
+
+def supported() -> bool:
+    """True where ``madvise``/``mincore`` and ``/proc/self/maps`` are available (Linux)."""
+    return _LIBC is not None and os.path.exists("/proc/self/maps")
+
+
+def file_mappings() -> list[tuple[int, int]]:
+    """Sorted (start, end) addresses of this process's mappings of regular files (from ``/proc/self/maps``)."""
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or parts[4] == "0" or not parts[5].startswith("/") or parts[5].startswith("/dev/"):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            spans.append((lo, hi))
+    spans.sort()
+    return spans
+
+
+def file_spans(tensors: Iterable[torch.Tensor], mappings: Sequence[tuple[int, int]]) -> list[Span]:
+    """Page-aligned spans of the CPU tensors whose memory lies inside one of ``mappings`` (file-backed)."""
+    starts = [lo for lo, _ in mappings]
+    out: list[Span] = []
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
+            continue
+        address = tensor.data_ptr()
+        end = address + tensor.numel() * tensor.element_size()
+        i = bisect.bisect_right(starts, address) - 1
+        if i < 0 or end > mappings[i][1]:
+            continue
+        lo = address - address % _PAGE
+        out.append((lo, -(-end // _PAGE) * _PAGE - lo))
+    return out
+
+
+def resident(spans: Iterable[Span]) -> bool:
+    """True if the first and last ``_SAMPLE_PAGES`` pages of every span are in RAM (``mincore``)."""
+    vec = ctypes.create_string_buffer(_SAMPLE_PAGES)
+    for address, length in spans:
+        pages = length // _PAGE
+        for start in {address, address + max(0, pages - _SAMPLE_PAGES) * _PAGE}:
+            count = min(pages, _SAMPLE_PAGES)
+            if _LIBC.mincore(ctypes.c_void_p(start), count * _PAGE, vec) != 0:
+                return False
+            if any(byte & 1 == 0 for byte in vec.raw[:count]):
+                return False
+    return True
+
+
+def will_need(spans: Iterable[Span]) -> None:
+    """Ask the kernel to read the spans into the page cache now (asynchronous reads; returns at once)."""
+    for address, length in spans:
+        _LIBC.madvise(ctypes.c_void_p(address), length, MADV_WILLNEED)
+
+
+def release(spans: Iterable[Span]) -> None:
+    """Drop the spans' clean file pages from memory (``MADV_PAGEOUT``; ``MADV_COLD`` where unsupported)."""
+    for address, length in spans:
+        if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_PAGEOUT) != 0:
+            _LIBC.madvise(ctypes.c_void_p(address), length, MADV_COLD)
+
+
+def available_memory() -> int:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes (0 when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class ReadAhead:
+    """Reads the file-backed offloaded weights of the next modules ahead, in a learned execution order.
+
+    Args:
+        read: ``read(hook) -> {name: tensor}``, the hook's offloaded values (mapped views).
+        window: bytes read ahead of the running module (at least the largest module's).
+        available: available memory in bytes (default: ``MemAvailable`` when reading ahead starts).
+    """
+
+    def __init__(self, read: Callable[[Any], dict[str, torch.Tensor]], window: int = WINDOW_BYTES,
+                 available: int | None = None) -> None:
+        self.read = read
+        self.window = window
+        self.available = available
+        self.active = False  # reading ahead (the weights were found not resident at a forward's start)
+        self.streaming = False  # releasing used modules (the offloaded bytes exceed the page cache)
+        self._spans: list[list[Span]] | None = None
+        self._bytes: list[int] = []
+        self._retained = 0  # modules 0 .. _retained - 1 of the order are never released
+        self._probes: list[int] = []
+        self._ahead = 0  # order positions < _ahead have been advised in this pass
+        self.enabled = supported() and os.environ.get(ENV, "1").strip() != "0"
+
+    def reset(self) -> None:
+        """Forget the spans (call when a weights map's values change)."""
+        self._spans, self.active, self.streaming = None, False, False
+
+    def advance(self, order: Sequence[Any], index: int) -> None:
+        """Module ``order[index]()`` starts: read ahead of it, release the one before it.
+
+        Args:
+            order: weak references to the hooks, in execution order.
+            index: position of the starting hook in ``order``.
+        """
+        if not self.enabled:
+            return
+        if index == 0:
+            self._new_pass(order)
+        if not self.active:
+            return
+        count = len(order)
+        jobs: list[tuple[Callable, list[Span]]] = []
+        ahead = sum(self._bytes[index + 1:self._ahead])
+        position = max(self._ahead, index)
+        while position < count:
+            if position > index:
+                if ahead + self._bytes[position] > self.window:
+                    break
+                ahead += self._bytes[position]
+            jobs.append((will_need, self._spans[position]))  # type: ignore[index]
+            position += 1
+        self._ahead = max(self._ahead, position)
+        previous = index - 1
+        if self.streaming and previous >= self._retained:
+            jobs.append((release, self._spans[previous]))  # type: ignore[index]
+        if jobs:
+            _executor().submit(_run, [job for job in jobs if job[1]])
+
+    def _new_pass(self, order: Sequence[Any]) -> None:
+        self._ahead = 0
+        if self._spans is None or len(self._spans) != len(order):
+            self._learn(order)
+        was = self.active
+        if was:  # while reading ahead: every module's spans (the I/O dominates this check)
+            self.active = not all(resident(spans) for spans in self._spans or [])
+        else:  # a few modules spread over the order, first pages only: microseconds
+            self.active = any(not resident(self._spans[i][:1]) for i in self._probes)  # type: ignore[index]
+        if self.active and not was:
+            self._plan()
+
+    def _learn(self, order: Sequence[Any]) -> None:
+        mappings = file_mappings()
+        self._spans = []
+        for ref in order:
+            hook = ref()
+            values = self.read(hook) if hook is not None else {}
+            self._spans.append(file_spans(values.values(), mappings))
+        self._bytes = [sum(length for _, length in spans) for spans in self._spans]
+        with_bytes = [i for i, size in enumerate(self._bytes) if size]
+        self._probes = with_bytes[:: max(1, len(with_bytes) // PROBES)]
+        self.window = max(self.window, max(self._bytes, default=0))
+
+    def _plan(self) -> None:
+        available = self.available if self.available is not None else available_memory()
+        total = sum(self._bytes)
+        self.streaming = available > 0 and total > STREAM_FRACTION * available
+        self._retained = 0
+        if self.streaming:
+            keep = RETAIN_FRACTION * available - 2 * self.window
+            while self._retained < len(self._bytes) and keep - self._bytes[self._retained] >= 0:
+                keep -= self._bytes[self._retained]
+                self._retained += 1
+        logger.debug("Reading offloaded weights ahead: %.2f GB in %d modules, window %.0f MB, %s",
+                      total / 1e9, len(self._bytes), self.window / 1e6,
+                      f"releasing used modules after the first {self._retained}" if self.streaming else "no release")
+
+
+def _run(jobs: list[tuple[Callable, list[Span]]]) -> None:
+    for fn, spans in jobs:
+        fn(spans)

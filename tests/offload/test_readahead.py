@@ -1,0 +1,93 @@
+"""Reading offloaded weights ahead from storage: real files, real mappings, the real page cache."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from bigmodel import disk_offload
+from bigmodel.offload import readahead
+from bigmodel.offload.storage import OffloadedWeightsLoader
+
+pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
+
+
+def _drop(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _mapped(tmp_path, mib: int = 8) -> tuple[torch.Tensor, str]:
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.arange(mib * 2**18, dtype=torch.float32)}, path)
+    _drop(path)
+    index = {"w": {"safetensors_file": path, "weight_name": "w", "dtype": "float32", "shape": [mib * 2**18]}}
+    return OffloadedWeightsLoader(index=index)["w"], path
+
+
+def test_file_spans_cover_mapped_tensors_and_skip_anonymous_memory(tmp_path):
+    mapped, _ = _mapped(tmp_path)
+    anonymous = torch.ones(2**20)
+    spans = readahead.file_spans([mapped, anonymous], readahead.file_mappings())
+    assert len(spans) == 1
+    address, length = spans[0]
+    assert address <= mapped.data_ptr() < mapped.data_ptr() + mapped.nbytes <= address + length
+    assert length - mapped.nbytes < 2 * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_will_need_reads_a_cold_range_into_ram_without_touching_it(tmp_path):
+    mapped, path = _mapped(tmp_path)
+    spans = readahead.file_spans([mapped], readahead.file_mappings())
+    _drop(path)
+    assert not readahead.resident(spans)
+    readahead.will_need(spans)
+    for _ in range(200):  # the reads are asynchronous: wait for them (up to 2 s)
+        if readahead.resident(spans):
+            break
+        time.sleep(0.01)
+    assert readahead.resident(spans)
+    assert torch.equal(mapped[:5], torch.arange(5, dtype=torch.float32))  # values unchanged
+
+
+def test_release_drops_pages_and_the_values_read_back_the_same(tmp_path):
+    mapped, _ = _mapped(tmp_path)
+    expected = mapped.clone()
+    spans = readahead.file_spans([mapped], readahead.file_mappings())
+    assert float(mapped.sum()) == float(expected.sum())  # every page faulted in
+    assert readahead.resident(spans)
+    readahead.release(spans)
+    assert torch.equal(mapped, expected)  # a released page is read again from the file
+
+
+def test_readahead_of_a_disk_offloaded_model_starts_when_its_weights_are_cold(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    x = torch.randn(2, 512)
+    expected = model(x)
+    disk_offload(model, tmp_path / "offload", execution_device="cpu")
+    with torch.no_grad():
+        model(x)  # learns the order
+        assert torch.allclose(model(x), expected, atol=1e-6)
+        prefetcher = model[0]._hf_hook.prefetcher
+        assert not prefetcher.readahead.active  # warm: nothing to read ahead
+        for name in os.listdir(tmp_path / "offload"):
+            readahead.release(readahead.file_spans(
+                [model[0]._hf_hook.weights_map.dataset[name[:-4]]] if name.endswith(".dat") else [],
+                readahead.file_mappings()))
+            _drop(str(tmp_path / "offload" / name))
+        assert torch.allclose(model(x), expected, atol=1e-6)
+        assert prefetcher.readahead.active  # cold at the forward's start: reading ahead
+
+
+def test_readahead_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(readahead.ENV, "0")
+    assert not readahead.ReadAhead(lambda hook: {}).enabled
