@@ -200,7 +200,7 @@ def _apply_block(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -
         hook = AlignDevicesHook(plan.device, io_same_device=plan.io_same_device, offload_buffers=shared.offload_buffers,
                                 place_submodules=True, skip_keys=shared.skip_keys,
                                 tied_params_map=shared.tied_params_map)
-        add_hook_to_module(module, hook)
+        add_hook_to_module(module, hook, append=True)  # a hook attached before (layerwise casting) stays
     else:
         attach_align_device_hook(
             module, plan.device, True, shared.weights_map, shared.offload_buffers, plan.name, shared.skip_keys,

@@ -264,6 +264,17 @@ class AlignDevicesHook(ModelHook):
             return nn.Parameter(value, requires_grad=requires_grad)
         return slot.param_type(value, requires_grad=requires_grad, **slot.extra)
 
+    def set_dtype(self, name: str, dtype: torch.dtype) -> None:
+        """Keep the offloaded floating tensor ``name`` in ``dtype`` from now on: its placeholder
+        takes ``dtype`` (in place: the object stays), and every load casts the stored value to it.
+        The weights map itself is never changed (it may be a read-only file)."""
+        slot = self._slots[name]
+        if slot.dtype is None:
+            return
+        with torch._C.DisableTorchFunctionSubclass():  # the placeholder must not load its value for this
+            slot.placeholder.data = slot.placeholder.data.to(dtype)
+        slot.dtype = dtype
+
     def stored_value(self, name: str) -> torch.Tensor:
         """A copy of the offloaded value of ``name``: a CPU tensor in the module's dtype, sharing no
         memory with the weights map (changing it never changes the model)."""
@@ -339,6 +350,27 @@ class AlignDevicesHook(ModelHook):
             _assign(module, name, value)
         self._slots.clear()
         return module
+
+
+def set_placeholder_dtype(param: torch.Tensor, dtype: torch.dtype) -> bool:
+    """If ``param`` is an offloaded parameter's placeholder, keep that parameter in ``dtype`` from now on.
+
+    Whichever hook offloads it (its module's own, or a parent's with ``preload_module_classes``)
+    loads its value in ``dtype`` from then on: see :meth:`AlignDevicesHook.set_dtype`.
+
+    Args:
+        param: a parameter of a module (a placeholder or a real tensor).
+        dtype: the floating dtype to keep it in.
+
+    Returns:
+        True if ``param`` was a placeholder (changed), False otherwise (nothing changed).
+    """
+    source = param.__dict__.get("_bm_source") if isinstance(param, OffloadedParameter) else None
+    hook = source[0]() if source else None
+    if hook is None:
+        return False
+    hook.set_dtype(source[1], dtype)
+    return True
 
 
 def offload_hook_of(module: nn.Module) -> AlignDevicesHook | None:
