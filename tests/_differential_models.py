@@ -10,7 +10,6 @@ and a tied head over an embedding.
 
 from __future__ import annotations
 
-import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,7 +96,7 @@ def _head_forward(self: nn.Linear, x: torch.Tensor, bias_scale: float = 1.0) -> 
 def _mlp_with_instance_forward() -> nn.Module:
     """TinyMLP whose head has a forward assigned on the instance (a bound method with its own signature)."""
     model = _seeded(TinyMLP)
-    model.head.forward = types.MethodType(functools.wraps(_head_forward)(_head_forward), model.head)
+    model.head.forward = types.MethodType(_head_forward, model.head)
     return model
 
 
