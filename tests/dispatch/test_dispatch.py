@@ -163,7 +163,7 @@ def test_uncovered_map_is_an_error(reference):
 
 def test_moving_an_offloaded_model_raises(reference, tmp_path):
     model = dispatch_model(loaded(reference[0]), MAPS["cpu_disk"], offload_dir=tmp_path)
-    for call in (lambda: model.to("cpu"), lambda: model.half(), lambda: model.cpu()):
+    for call in (lambda: model.to("cpu"), lambda: model.to("meta"), lambda: model.cpu()):
         with pytest.raises(RuntimeError, match="remove_hook_from_submodules"):
             call()
     assert model.layers[1].up.weight.is_meta
@@ -245,20 +245,36 @@ def test_resident_ties_stay_tied_after_dispatch(reference, tmp_path):
     assert model.lm_head.weight is model.embed.weight
 
 
-@pytest.mark.parametrize("call", ["float", "double", "bfloat16", "type", "to_empty", "wrapper"])
-def test_every_move_or_cast_of_an_offloaded_model_is_refused(call, reference, tmp_path):
+@pytest.mark.parametrize("call", ["cpu", "to_meta", "to_device_and_dtype", "to_empty", "wrapper"])
+def test_every_device_move_of_an_offloaded_model_is_refused(call, reference, tmp_path):
     model = dispatch_model(loaded(reference[0]), MAPS["cpu_disk"], offload_dir=tmp_path)
     actions = {
-        "float": lambda: model.float(), "double": lambda: model.double(), "bfloat16": lambda: model.bfloat16(),
-        "type": lambda: model.type(torch.float64), "to_empty": lambda: model.to_empty(device="cpu"),
-        "wrapper": lambda: nn.Sequential(model).to(torch.float64),  # a parent's move reaches the model too
+        "cpu": lambda: model.cpu(), "to_meta": lambda: model.to("meta"),
+        "to_device_and_dtype": lambda: model.to("cpu", torch.float64), "to_empty": lambda: model.to_empty(device="cpu"),
+        "wrapper": lambda: nn.Sequential(model).to("meta"),  # a parent's move reaches the model too
     }  # fmt: skip
-    name = "to" if call == "wrapper" else call
+    name = {"to_meta": "to", "to_device_and_dtype": "to", "wrapper": "to"}.get(call, call)
     with pytest.raises(RuntimeError, match=rf"Cannot call \.{name}\(\) on a TinyLM .*remove_hook_from_submodules"):
         actions[call]()
     assert model.embed.weight.dtype == torch.float32 and model.layers[1].up.weight.is_meta
     remove_hook_from_submodules(model)
     assert "_apply" not in model.__dict__
+
+
+@pytest.mark.parametrize("call", ["float", "double", "bfloat16", "type", "wrapper"])
+def test_every_cast_of_an_offloaded_model_goes_through(call, reference, tmp_path):
+    state, _ = reference
+    model = dispatch_model(loaded(state), MAPS["cpu_disk"], offload_dir=tmp_path)
+    plain = loaded(state)
+    actions = {
+        "float": lambda m: m.float(), "double": lambda m: m.double(), "bfloat16": lambda m: m.bfloat16(),
+        "type": lambda m: m.type(torch.float64), "wrapper": lambda m: nn.Sequential(m).to(torch.float64),
+    }  # fmt: skip
+    actions[call](model)
+    actions[call](plain)
+    assert model.layers[1].up.weight.is_meta and model.layers[1].up.weight.dtype == plain.layers[1].up.weight.dtype
+    with torch.no_grad():
+        assert torch.equal(model(IDS), plain(IDS))
 
 
 def test_move_guard_names_no_backend():

@@ -168,6 +168,37 @@ def set_module_tensor_to_device(
         empty_cache(target)
 
 
+def hold_meta_placeholder(
+    model: nn.Module, tensor_name: str, dtype: torch.dtype, memo: dict[int, torch.Tensor] | None = None
+) -> None:
+    """Replace a tensor of ``model`` by a ``meta`` tensor of the same shape in ``dtype`` (its value lives elsewhere).
+
+    What a loader leaves for a tensor whose value it wrote to disk: the offload hook computes in
+    ``dtype``, and a value the model held before (a buffer built with its initial value) never
+    shadows the stored one.  A Parameter stays a Parameter of its class.
+
+    Args:
+        model: the root module.
+        tensor_name: dotted name of the parameter or buffer.
+        dtype: the dtype the model computes the tensor in.
+        memo: id of a replaced tensor → its placeholder, shared across calls so tied names stay tied.
+
+    Raises:
+        AttributeError: the model has no such submodule (names it).
+    """
+    module, attr = get_submodule_and_name(model, tensor_name)
+    slots = module._parameters if attr in module._parameters else module._buffers
+    old = slots[attr]
+    if old is None or (old.is_meta and old.dtype == dtype):
+        return
+    memo = {} if memo is None else memo
+    new = memo.get(id(old))
+    if new is None:
+        meta = torch.empty_like(old, device="meta", dtype=dtype)
+        new = memo[id(old)] = as_parameter(meta, old) if isinstance(old, nn.Parameter) else meta
+    slots[attr] = new  # type: ignore[assignment]
+
+
 def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:
     """Groups of parameter names that share one Parameter object (tied weights).
 
@@ -291,12 +322,17 @@ def loaded_dtype(
 ) -> torch.dtype:
     """The dtype a checkpoint tensor is stored in once loaded (the rule of ``load_checkpoint_in_model``).
 
-    Non-floating tensors keep the checkpoint's dtype; tensors under ``keep_in_fp32`` modules
-    become float32; else ``dtype`` if given; else, with ``use_model_dtype`` (tensors placed in
-    memory), the model tensor's floating dtype; else the checkpoint's dtype.
+    Non-floating tensors keep the checkpoint's dtype; a floating checkpoint tensor for an
+    integer or bool model tensor (``position_ids`` saved as float16) takes the model's dtype, as
+    torch's ``load_state_dict`` copies it into the model's tensor; tensors under
+    ``keep_in_fp32`` modules become float32; else ``dtype`` if given; else, with
+    ``use_model_dtype`` (tensors placed in memory), the model tensor's floating dtype; else the
+    checkpoint's dtype.
     """
     if not source_dtype.is_floating_point:
         return source_dtype
+    if model_tensor is not None and not (model_tensor.is_floating_point() or model_tensor.is_complex()):
+        return model_tensor.dtype
     if matches_module(name, keep_in_fp32):
         return torch.float32
     if dtype is not None:

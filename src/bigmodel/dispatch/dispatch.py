@@ -23,9 +23,9 @@ from ..core.tensors import (
     get_submodule_and_name,
     retie_parameters,
 )
-from ..hooks.align import attach_align_device_hook_on_blocks
+from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded
 from ..hooks.align_hook import offload_hook_of
-from ..offload.storage import OffloadedWeightsLoader, extract_submodules_state_dict
+from ..offload.storage import OffloadedWeightsLoader, PrefixedDataset, extract_submodules_state_dict
 from ..transfer.pinned import pin_tensors
 from .redispatch import (
     _enable_prefetch,
@@ -74,7 +74,8 @@ def _tied_params_map(model: nn.Module) -> tuple[list[list[str]], dict[int, dict]
 def _resident_groups(model: nn.Module, tied: list[list[str]]) -> list[list[str]]:
     """The tied groups none of whose members is offloaded (those are tied again after hooking).
 
-    A group with an offloaded member is left as the hooks made it: the offloaded member keeps
+    Groups whose members are all offloaded share one placeholder (:func:`tie_offloaded`).  A group
+    with offloaded and resident members is left as the hooks made it: the offloaded member keeps
     its ``meta`` placeholder and loads its value at its forward, so ``a.weight is b.weight``
     reads the same before and after the first forward (the ties come back when the hooks are
     removed).
@@ -97,12 +98,34 @@ def _disk_weights(
     ensure_offloaded(offload_dir, {k: v.detach() for k, v in state.items()})
 
 
-def _check_offload_dir(disk_modules: list[str], offload_dir: Any, offload_index: Any) -> None:
-    if disk_modules and offload_index is None and offload_dir is None:
+def _hooks_offload_folder(model: nn.Module) -> Any:
+    """The offload folder the hooks of an earlier dispatch read from (None if there is none)."""
+    for module in model.modules():
+        hook = offload_hook_of(module)
+        weights_map = hook.weights_map if hook is not None else None
+        while isinstance(weights_map, PrefixedDataset):
+            weights_map = weights_map.dataset
+        if isinstance(weights_map, OffloadedWeightsLoader) and weights_map.save_folder is not None:
+            return weights_map.save_folder
+    return None
+
+
+def _offload_dir_for(model: nn.Module, disk_modules: list[str], offload_dir: Any, offload_index: Any) -> Any:
+    """``offload_dir``, or for a model dispatched before with disk offload, the folder its hooks read from.
+
+    Dispatching again without an offload folder (what peft does after injecting adapters) keeps
+    the weights where the existing hooks reach them; tensors the folder lacks are written there.
+    """
+    if not disk_modules or offload_index is not None or offload_dir is not None:
+        return offload_dir
+    folder = _hooks_offload_folder(model)
+    if folder is None:
         raise ValueError(
             f"The device map puts {disk_modules[:3]} on 'disk' but no offload_dir was given; pass "
             "offload_dir=<folder> (the weights are written there, or read from its index.json)."
         )
+    logger.info("dispatch_model: no offload_dir given; using %s, the folder the model's hooks read from.", folder)
+    return folder
 
 
 def dispatch_model(
@@ -126,7 +149,8 @@ def dispatch_model(
             ``"disk"`` parts are offloaded when the main device is an accelerator).
         main_device: where offloaded parts run (default: the first accelerator in the map, else cpu).
         state_dict: values of the CPU-offloaded parts (default: taken from the model).
-        offload_dir: folder holding (or receiving) the weights of the disk parts.
+        offload_dir: folder holding (or receiving) the weights of the disk parts.  Optional for a
+            model dispatched before with disk offload: the folder its hooks read from is reused.
         offload_index: index of weights already offloaded (name → entry), instead of ``offload_dir``'s.
         offload_buffers: offload buffers too.
         skip_keys: input/output mapping keys never moved.
@@ -164,7 +188,7 @@ def dispatch_model(
         raise ValueError("main_device='disk' is not a device a forward can run on; use an accelerator or 'cpu'.")
     cpu_modules = [name for name, d in device_map.items() if d == "cpu"]
     disk_modules = [name for name, d in device_map.items() if d == "disk"]
-    _check_offload_dir(disk_modules, offload_dir, offload_index)
+    offload_dir = _offload_dir_for(model, disk_modules, offload_dir, offload_index)
     _undispatch(model, "dispatch_model")
     on_cpu = not _runs_on_accelerator(main)
     if not on_cpu and state_dict is None and cpu_modules:
@@ -187,7 +211,7 @@ def dispatch_model(
         weights_map=weights_map, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
         tied_params_map=tied_map,
     )  # fmt: skip
-    retie_parameters(model, _resident_groups(model, tied))
+    retie_parameters(model, _resident_groups(model, tie_offloaded(model, tied)))
     if any(offload.values()):
         kinds = sorted({d for d in map(str, device_map.values()) if d in offloaded_kinds})
         logger.info("Modules offloaded to %s run on %s.", "/".join(kinds), main)

@@ -27,6 +27,7 @@ Set ``BIGMODEL_PREFETCH_DEPTH=0`` to turn prefetching off (1 or 2 modules ahead 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import logging
@@ -171,6 +172,10 @@ class Prefetcher:
         self._pending: dict[int, Future] = {}
         self._trusted: dict[int, int] = {}  # id(hook) → turns left before its residency is asked again
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
+
+    def __deepcopy__(self, memo: dict) -> Prefetcher:
+        """A fresh prefetcher with the same settings (a copied model learns its own order; nothing staged)."""
+        return Prefetcher(self.depth, copy.deepcopy(self.stage, memo), self.min_bytes)
 
     @property
     def order_length(self) -> int:

@@ -1,8 +1,8 @@
 """What a dispatch leaves on a model, and undoing it before the next one.
 
-A dispatched model refuses ``.to()``/``.half()``/... (every move or cast, through a guard on
-``Module._apply``) while parts are offloaded: their values live in the weights map and would
-not follow.  Dispatching or offloading it again first removes the earlier hooks, which brings
+A dispatched model refuses device moves (``.to(device)``, ``.cpu()``, ``to_empty()``..., through a
+guard on ``Module._apply``) while parts are offloaded: their values live in the weights map and
+would not follow.  Casts (``.to(dtype)``, ``.half()``, ``.to(memory_format=...)``) go through.  Dispatching or offloading it again first removes the earlier hooks, which brings
 the real weights back into the modules.
 """
 
@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..core.devices import DeviceSpec, is_accelerator
 from ..hooks.align_hook import has_offloaded_params
+from ..hooks.forward import ModuleBound
+from ..hooks.placeholders import placeholders_stay_meta
 from ..hooks.registry import TIED_PARAMS, patch_attribute, remove_hook_from_submodules
 from ..transfer.copies import DeviceStager
 from .prefetch import enable_prefetch
@@ -32,35 +34,65 @@ def _offloaded_names(model: nn.Module) -> list[str]:
 def _caller_name() -> str:
     """The public method that led to ``_apply`` (``to``, ``half``, ...), read from the stack."""
     frame = sys._getframe(2)  # 0: here, 1: the guard, 2: its caller
-    while frame is not None and frame.f_code.co_name in ("_apply", "guarded_apply"):
+    while frame is not None and frame.f_code.co_name in ("_apply", "__call__"):
         frame = frame.f_back
     return frame.f_code.co_name if frame is not None else "_apply"
 
 
-def _guarded_apply(ref: weakref.ref, apply: Callable) -> Callable:
-    def guarded_apply(*args: Any, **kwargs: Any) -> Any:
-        model = ref()
+def keeps_devices(fn: Callable[[torch.Tensor], Any]) -> bool:
+    """True if ``fn`` (what ``Module._apply`` applies to each tensor) keeps every tensor on its device.
+
+    Asked of two 4-d float32 probes, one on ``meta`` and one on the CPU: a cast (``.to(dtype)``,
+    ``.double()``, ``.to(memory_format=...)``) leaves both where they are; any device move changes
+    one of them or raises (a copy out of ``meta``).
+    """
+    for device in ("meta", "cpu"):
+        probe = torch.zeros((1, 1, 1, 1), device=device)
+        try:
+            with torch.no_grad():
+                out = fn(probe)
+        except Exception:
+            return False
+        if not isinstance(out, torch.Tensor) or out.device.type != device:
+            return False
+    return True
+
+
+class GuardedApply(ModuleBound):
+    """``model._apply`` of a dispatched model: casts go through, device moves are refused while parts are offloaded.
+
+    A cast (no device changes) converts the resident tensors as usual and the placeholders of the
+    offloaded ones on ``meta`` (nothing is read); the hooks cast each value to its placeholder's
+    dtype when they load it.
+    """
+
+    __slots__ = ()
+
+    def __call__(self, fn: Callable[[torch.Tensor], Any], *args: Any, **kwargs: Any) -> Any:
+        model = self._ref()
+        apply = type(model)._apply
+        if keeps_devices(fn):
+            with placeholders_stay_meta():
+                return apply(model, fn, *args, **kwargs)
         name = _caller_name()
         offloaded = _offloaded_names(model)
         if offloaded:
             shown = ", ".join(repr(n) for n in offloaded[:3]) + (" ..." if len(offloaded) > 3 else "")
             raise RuntimeError(
                 f"Cannot call .{name}() on a {type(model).__name__} dispatched with offloaded modules ({shown}): "
-                "their weights live in the weights map (CPU/disk) and would not follow. Dispatch it again with "
-                "another device map (or dtype), or call bigmodel.remove_hook_from_submodules(model) first, "
-                "which brings the weights back into the modules."
+                "their weights live in the weights map (CPU/disk) and would not follow a device move (casts to "
+                "another dtype are fine). Dispatch it again with another device map, or call "
+                "bigmodel.remove_hook_from_submodules(model) first, which brings the weights back into the modules."
             )
         logger.warning(
             "Calling .%s() on a model dispatched over several devices moves every part; its hooks keep the old "
             "execution devices. Re-dispatch the model instead.", name,
         )
-        return apply(*args, **kwargs)
-
-    return guarded_apply
+        return apply(model, fn, *args, **kwargs)
 
 
 def _guard_moves(model: nn.Module, tied: list[list[str]]) -> None:
-    """Refuse moves and casts of the model while parts are offloaded; remember its ties for removal.
+    """Refuse device moves of the model while parts are offloaded (casts go through); remember its ties.
 
     Every :class:`~torch.nn.Module` method that moves or casts tensors (``to``, ``cpu``,
     ``half``, ``float``, ``type``, the per-backend ones, ``to_empty`` ...) goes through
@@ -68,9 +100,7 @@ def _guard_moves(model: nn.Module, tied: list[list[str]]) -> None:
     any torch adds, without naming them.
     """
     patch_attribute(model, TIED_PARAMS, tied)
-    ref = weakref.ref(model)
-    apply = type(model)._apply
-    patch_attribute(model, "_apply", _guarded_apply(ref, lambda *a, **k: apply(ref(), *a, **k)))
+    patch_attribute(model, "_apply", GuardedApply(model))
 
 
 def _runs_on_accelerator(device: DeviceSpec | None) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..core.devices import DeviceSpec
 from ..core.tensors import find_tied_parameters
-from ..hooks.align import attach_align_device_hook, default_execution_device
+from ..hooks.align import attach_align_device_hook, default_execution_device, tie_offloaded
 from ..hooks.align_hook import AlignDevicesHook
 from ..hooks.cpu_offload import CpuOffload, PinnedCpuOffload, UserCpuOffloadHook
 from ..hooks.registry import add_hook_to_module
@@ -142,6 +142,7 @@ def _attach_whole_model(model: nn.Module, execution_device: Any, weights_map: Ma
         model, execution_device=execution_device, offload=True, offload_buffers=offload_buffers,
         weights_map=weights_map, preload_module_classes=preload_module_classes,
     )  # fmt: skip
+    tie_offloaded(model, tied)
     _enable_prefetch(model, execution_device)
     _guard_moves(model, tied)
 

@@ -17,13 +17,9 @@ from torch import nn
 
 from ..core.devices import accelerator_count, accelerator_type
 from ..core.tensors import named_module_tensors
-from .align_hook import (
-    AlignDevicesHook,
-    OffloadedParameter,
-    has_offloaded_params,
-    offload_hook_of,
-)
+from .align_hook import AlignDevicesHook, has_offloaded_params, offload_hook_of
 from .moving import own_parameters_moved
+from .placeholders import OffloadedParameter
 from .registry import ModelHook, add_hook_to_module, remove_hook_from_module  # noqa: F401
 
 __all__ = [
@@ -34,6 +30,7 @@ __all__ = [
     "attach_align_device_hook_on_blocks",
     "attach_execution_device_hook",
     "has_offloaded_params",
+    "tie_offloaded",
 ]
 
 
@@ -112,6 +109,19 @@ def attach_align_device_hook(
         preload_module_classes: class names loaded as one block.
         tied_params_map: shared tied-weights cache.
     """
+    _attach_align(module, execution_device, offload, weights_map, offload_buffers, module_name, skip_keys,
+                  preload_module_classes, tied_params_map, set())  # fmt: skip
+
+
+def _attach_align(
+    module: nn.Module, execution_device: Any, offload: bool, weights_map: Mapping[str, torch.Tensor] | None,
+    offload_buffers: bool, module_name: str, skip_keys: str | list[str] | None,
+    preload_module_classes: list[str] | None, tied_params_map: dict | None, seen: set[int],
+) -> None:  # fmt: skip
+    """:func:`attach_align_device_hook`; a module registered under several names is hooked once (``seen``)."""
+    if id(module) in seen:
+        return
+    seen.add(id(module))
     has_direct = next(named_module_tensors(module), None) is not None
     full_offload = offload and _is_preloaded(module, preload_module_classes)
     if has_direct or full_offload:
@@ -129,17 +139,9 @@ def attach_align_device_hook(
     if full_offload:
         return
     for child_name, child in module.named_children():
-        attach_align_device_hook(
-            child,
-            execution_device=execution_device,
-            offload=offload,
-            weights_map=weights_map,
-            offload_buffers=offload_buffers,
-            module_name=f"{module_name}.{child_name}" if module_name else child_name,
-            skip_keys=skip_keys,
-            preload_module_classes=preload_module_classes,
-            tied_params_map=tied_params_map,
-        )
+        child_prefix = f"{module_name}.{child_name}" if module_name else child_name
+        _attach_align(child, execution_device, offload, weights_map, offload_buffers, child_prefix, skip_keys,
+                      preload_module_classes, tied_params_map, seen)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class _SharedSettings:
     skip_keys: str | list[str] | None
     preload_module_classes: list[str] | None
     tied_params_map: dict | None
+    seen: set[int]  # modules already given their hooks (a module under several names is hooked once)
 
 
 def _plan_blocks(
@@ -179,9 +182,12 @@ def _plan_blocks(
         return [(module, _BlockPlan(module_name, execution_device, kind, not offload, per_block_map=False))]
     devices = execution_device if isinstance(execution_device, Mapping) else dict.fromkeys(offload, execution_device)
     offloads = offload if isinstance(offload, Mapping) else dict.fromkeys(devices, offload)
-    plans = []
+    plans, seen = [], set()
     for name, sub in module.named_modules(prefix=module_name, remove_duplicate=False):
+        if id(sub) in seen:
+            continue  # a block registered under several names: planned under its first name
         if name in devices and name in offloads:
+            seen.add(id(sub))
             kind = "offloaded" if offloads[name] else "resident"
             plans.append((sub, _BlockPlan(name, devices[name], kind, name == "", per_block_map=True)))
         elif name == "":
@@ -202,9 +208,9 @@ def _apply_block(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -
                                 tied_params_map=shared.tied_params_map)
         add_hook_to_module(module, hook, append=True)  # a hook attached before (layerwise casting) stays
     else:
-        attach_align_device_hook(
+        _attach_align(
             module, plan.device, True, shared.weights_map, shared.offload_buffers, plan.name, shared.skip_keys,
-            shared.preload_module_classes, shared.tied_params_map,
+            shared.preload_module_classes, shared.tied_params_map, shared.seen,
         )  # fmt: skip
         if plan.per_block_map:
             _give_block_a_hook(module, plan, shared)
@@ -248,9 +254,40 @@ def attach_align_device_hook_on_blocks(
         weights_map, offload_buffers, module_name, skip_keys, preload_module_classes, tied_params_map:
             as in :func:`attach_align_device_hook`.
     """
-    shared = _SharedSettings(weights_map, offload_buffers, skip_keys, preload_module_classes, tied_params_map)
+    shared = _SharedSettings(weights_map, offload_buffers, skip_keys, preload_module_classes, tied_params_map, set())
     for block, plan in _plan_blocks(module, execution_device, offload, module_name):
         _apply_block(block, plan, shared)
+
+
+def tie_offloaded(model: nn.Module, tied: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Make every name of a tied group whose members are all offloaded hold one placeholder.
+
+    Between forwards ``model.lm_head.weight is model.embed.weight`` then holds as on the plain
+    model, and what is set on one name (``requires_grad``, dtype) holds for all.
+
+    Args:
+        model: the hooked model.
+        tied: groups of tied parameter names (:func:`~bigmodel.core.tensors.find_tied_parameters`).
+
+    Returns:
+        The groups with a member that is not offloaded (left as they are).
+    """
+    owners: dict[str, tuple[nn.Module, AlignDevicesHook, str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        hook = offload_hook_of(module)
+        if hook is not None:
+            owners.update((f"{prefix}.{name}" if prefix else name, (module, hook, name)) for name in hook.offloaded_names)
+    rest = []
+    for group in tied:
+        members = [owners.get(name) for name in group]
+        if not all(members):
+            rest.append(list(group))
+            continue
+        first_module, first_hook, first_name = members[0]  # type: ignore[misc]
+        shared = first_module.get_parameter(first_name)
+        for module, hook, name in members[1:]:  # type: ignore[misc]
+            hook.share_placeholder(module, name, shared)
+    return rest
 
 
 def _set_io_same_device(module: nn.Module) -> None:

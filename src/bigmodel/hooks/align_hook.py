@@ -7,24 +7,18 @@ in (no copy when the value is already on the execution device with the right dty
 an mmap view of a safetensors file and a CPU execution device); ``post_forward`` puts the
 placeholders back, so the values' memory is the weights map's alone.
 
-Placeholders of parameters are :class:`OffloadedParameter` objects: on ``meta`` like any
-offloaded tensor (``.device``, ``.shape``, ``state_dict()`` see ``meta``), but when an op
-uses one outside its module's forward (a parent module reading ``self.child.weight``
-directly), the value is loaded from the weights map for that op, with a one-time warning
-suggesting ``preload_module_classes``.
+The placeholders (dtype, requires_grad and identity of each offloaded tensor live there) are
+:mod:`bigmodel.hooks.placeholders`.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ..core.devices import torch_device
 from ..core.tensors import (
@@ -34,95 +28,12 @@ from ..core.tensors import (
     set_module_tensor_to_device,
 )
 from .moving import find_device, send_inputs_to_device, send_to_device
+from .placeholders import Slot, make_slot, placeholder_state, placeholder_states
 from .registry import ModelHook, iter_hooks
 
 logger = logging.getLogger(__name__)
 
-# Tensor attributes/methods that only read metadata: a placeholder answers them itself (meta).
-_METADATA = frozenset(
-    "device shape dtype is_meta requires_grad ndim layout is_cuda is_cpu is_sparse is_quantized is_leaf grad "
-    "grad_fn data _version names itemsize nbytes size dim numel nelement stride element_size is_floating_point "
-    "is_complex is_contiguous __repr__ __format__ __reduce_ex__ __deepcopy__ detach requires_grad_ __hash__ "
-    "__len__ __bool__ storage_offset untyped_storage _typed_storage __setstate__ __set__ __get__".split()
-)
-_WARNED: set[tuple[str, str]] = set()
 _HOOK_DEVICE: Any = object()  # load_value's default: the hook's own execution device
-
-
-def _func_name(func: Callable) -> str:
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):
-        owner = getattr(func, "__self__", None)
-        return getattr(owner, "__name__", name)
-    return name
-
-
-class OffloadedParameter(nn.Parameter):
-    """Meta placeholder of an offloaded parameter that loads its value when an op uses it."""
-
-    @classmethod
-    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            if _func_name(func) not in _METADATA:
-                args, kwargs = tree_map(_materialize, (args, kwargs))
-            return func(*args, **kwargs)
-
-
-def _materialize(obj: Any) -> Any:
-    if not isinstance(obj, OffloadedParameter) or obj.device.type != "meta":
-        return obj
-    source = obj.__dict__.get("_bm_source")
-    hook = source[0]() if source else None
-    if hook is None:
-        return obj
-    name = source[1]
-    module_name = getattr(hook, "module_name", "")
-    full = f"{module_name}.{name}" if module_name else name
-    if (module_name, name) not in _WARNED:
-        _WARNED.add((module_name, name))
-        logger.warning(
-            "Offloaded tensor %r was used outside its module's forward (a parent module reads a child's "
-            "weight directly); it is loaded for each such use. Add the parent's class to "
-            "`preload_module_classes` to load it once per forward.",
-            full,
-        )
-    if hook.prefetcher is not None:  # weights-map reads are serialised with the prefetch thread
-        with hook.prefetcher.read_lock:
-            value = hook.weights_map[name]
-    else:
-        value = hook.weights_map[name]
-    return hook.load_value(name, value)
-
-
-@dataclass
-class _Slot:
-    """What an offloaded tensor looked like before offload (to rebuild it around a value)."""
-
-    placeholder: torch.Tensor
-    is_parameter: bool
-    param_type: type
-    requires_grad: bool
-    extra: dict
-    dtype: torch.dtype | None = None  # the placeholder's dtype if floating (read without its __torch_function__)
-
-
-def _floating_dtype(tensor: torch.Tensor) -> torch.dtype | None:
-    return tensor.dtype if tensor.is_floating_point() else None
-
-
-def _make_slot(hook: AlignDevicesHook, name: str, tensor: torch.Tensor, is_parameter: bool) -> _Slot:
-    meta = tensor.detach().to("meta")
-    if not is_parameter:
-        return _Slot(meta, False, torch.Tensor, False, {}, _floating_dtype(meta))
-    extra = {k: v for k, v in tensor.__dict__.items() if k not in ("requires_grad", "_bm_source")}
-    param_type = type(tensor) if not isinstance(tensor, OffloadedParameter) else nn.Parameter
-    if param_type is nn.Parameter:
-        placeholder = OffloadedParameter(meta, requires_grad=tensor.requires_grad)
-        placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
-    else:  # quantised parameter subclasses keep their own type on meta
-        placeholder = param_type(meta, requires_grad=tensor.requires_grad, **extra)
-    return _Slot(placeholder, True, param_type, tensor.requires_grad, extra, _floating_dtype(meta))
 
 
 def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -173,7 +84,7 @@ class AlignDevicesHook(ModelHook):
         self.tied_pointers_to_remove: set[tuple[int, torch.device]] = set()
         self.module_name = ""
         self.prefetcher: Any = None  # set by _prefetch.enable_prefetch
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, Slot] = {}
 
     _REPR_FIELDS = ("execution_device", "offload", "io_same_device", "offload_buffers", "place_submodules",
                     "skip_keys")
@@ -232,7 +143,7 @@ class AlignDevicesHook(ModelHook):
         params = {name for name, _ in module.named_parameters(recurse=self.place_submodules)}
         for name, tensor in tensors:
             self.original_devices[name] = tensor.device
-            slot = _make_slot(self, name, tensor, name in params)
+            slot = make_slot(self, name, tensor, name in params)
             self._slots[name] = slot
             _assign(module, name, slot.placeholder)
         if self.execution_device is None:
@@ -247,39 +158,27 @@ class AlignDevicesHook(ModelHook):
     def load_value(self, name: str, value: torch.Tensor, device: Any = _HOOK_DEVICE) -> torch.Tensor:
         """``value`` of tensor ``name`` as the module should hold it: on the execution device
         (``device``, when the caller already resolved :attr:`device`), in the placeholder's
-        floating dtype, wrapped as a Parameter if it was one.  No copy when the value already
-        has that device and dtype."""
+        floating dtype, wrapped as a Parameter (with the placeholder's ``requires_grad``) if it
+        was one.  No copy when the value already has that device and dtype."""
         slot = self._slots[name]
-        if device is _HOOK_DEVICE:
-            device = self.device
+        dtype, requires_grad = placeholder_state(slot)
+        return self._as_held(slot, value, self.device if device is _HOOK_DEVICE else device, dtype, requires_grad)
+
+    @staticmethod
+    def _as_held(slot: Slot, value: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None,
+                 requires_grad: bool) -> torch.Tensor:
         if device is not None and value.device != device:
             # Asynchronous only towards an accelerator: a device→host copy must be complete when used.
             value = value.to(device, non_blocking=device.type != "cpu")
-        if slot.dtype is not None and value.dtype != slot.dtype and value.is_floating_point():
-            value = value.to(slot.dtype)
-        if not slot.is_parameter:
-            return value
-        requires_grad = slot.requires_grad and value.is_floating_point()
-        if slot.param_type is nn.Parameter:
-            return nn.Parameter(value, requires_grad=requires_grad)
-        return slot.param_type(value, requires_grad=requires_grad, **slot.extra)
-
-    def set_dtype(self, name: str, dtype: torch.dtype) -> None:
-        """Keep the offloaded floating tensor ``name`` in ``dtype`` from now on: its placeholder
-        takes ``dtype`` (in place: the object stays), and every load casts the stored value to it.
-        The weights map itself is never changed (it may be a read-only file)."""
-        slot = self._slots[name]
-        if slot.dtype is None:
-            return
-        with torch._C.DisableTorchFunctionSubclass():  # the placeholder must not load its value for this
-            slot.placeholder.data = slot.placeholder.data.to(dtype)
-        slot.dtype = dtype
+        if dtype is not None and value.dtype != dtype and value.is_floating_point():
+            value = value.to(dtype)
+        return slot.wrap(value, requires_grad)
 
     def stored_value(self, name: str) -> torch.Tensor:
         """A copy of the offloaded value of ``name``: a CPU tensor in the module's dtype, sharing no
         memory with the weights map (changing it never changes the model)."""
         value = self.weights_map[name].detach()  # type: ignore[index]
-        dtype = self._slots[name].dtype if value.is_floating_point() else None
+        dtype = placeholder_state(self._slots[name])[0] if value.is_floating_point() else None
         return value.to(device="cpu", dtype=dtype or value.dtype, copy=True)
 
     def load_weights(self, module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -287,7 +186,7 @@ class AlignDevicesHook(ModelHook):
         source = self.weights_map if values is None else values
         device = self.device
         tied_map = self.tied_params_map
-        for name in self._slots:
+        for name, slot, dtype, requires_grad in placeholder_states(self._slots):
             value = source[name]
             per_device = None
             if tied_map and not value.is_meta:  # a tied value is put on a device once while it is in use
@@ -295,11 +194,17 @@ class AlignDevicesHook(ModelHook):
                 if per_device is not None and device in per_device:
                     _assign(module, name, per_device[device])
                     continue
-            loaded = self.load_value(name, value, device)
+            loaded = self._as_held(slot, value, device, dtype, requires_grad)
             if per_device is not None:
                 per_device[device] = loaded
                 self.tied_pointers_to_remove.add((value.data_ptr(), device))
             _assign(module, name, loaded)
+
+    def share_placeholder(self, module: nn.Module, name: str, placeholder: torch.Tensor) -> None:
+        """Hold ``placeholder`` for tensor ``name`` between forwards (tied names share one, as they shared
+        one Parameter); it must describe the same tensor (its value comes from this hook's weights map)."""
+        self._slots[name].placeholder = placeholder
+        _assign(module, name, placeholder)
 
     def unload_weights(self, module: nn.Module) -> None:
         """Put the meta placeholders back (the values' memory belongs to the weights map again)."""
@@ -334,43 +239,13 @@ class AlignDevicesHook(ModelHook):
     def detach_hook(self, module: nn.Module) -> nn.Module:
         if not self.offload:
             return module
-        for name, slot in self._slots.items():
+        for name, slot, dtype, requires_grad in placeholder_states(self._slots):
             value = self.weights_map[name]  # type: ignore[index]
             original = self.original_devices.get(name)
-            if original is not None and original.type != "meta" and value.device != original:
-                value = value.to(original)
-            if value.is_floating_point() and value.dtype != slot.placeholder.dtype:
-                value = value.to(slot.placeholder.dtype)
-            if slot.is_parameter:
-                requires_grad = slot.requires_grad and value.is_floating_point()
-                if slot.param_type is nn.Parameter:
-                    value = nn.Parameter(value, requires_grad=requires_grad)
-                else:
-                    value = slot.param_type(value, requires_grad=requires_grad, **slot.extra)
-            _assign(module, name, value)
+            device = original if original is not None and original.type != "meta" else None
+            _assign(module, name, self._as_held(slot, value, device, dtype, requires_grad))
         self._slots.clear()
         return module
-
-
-def set_placeholder_dtype(param: torch.Tensor, dtype: torch.dtype) -> bool:
-    """If ``param`` is an offloaded parameter's placeholder, keep that parameter in ``dtype`` from now on.
-
-    Whichever hook offloads it (its module's own, or a parent's with ``preload_module_classes``)
-    loads its value in ``dtype`` from then on: see :meth:`AlignDevicesHook.set_dtype`.
-
-    Args:
-        param: a parameter of a module (a placeholder or a real tensor).
-        dtype: the floating dtype to keep it in.
-
-    Returns:
-        True if ``param`` was a placeholder (changed), False otherwise (nothing changed).
-    """
-    source = param.__dict__.get("_bm_source") if isinstance(param, OffloadedParameter) else None
-    hook = source[0]() if source else None
-    if hook is None:
-        return False
-    hook.set_dtype(source[1], dtype)
-    return True
 
 
 def offload_hook_of(module: nn.Module) -> AlignDevicesHook | None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..core.tensors import find_tied_parameters
-from .align_hook import set_placeholder_dtype
+from .placeholders import placeholders_stay_meta
 from .registry import TIED_PARAMS, ModelHook, add_hook_to_module
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,17 @@ def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, non_blocking: bool,
             continue
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype, non_blocking=non_blocking)
+
+
+def _cast_placeholders(module: nn.Module, dtype: torch.dtype, keep: Collection[str]) -> None:
+    """Cast the module's offloaded floating parameters (``meta`` placeholders) to ``dtype``: the
+    offloading hook reads the placeholder's dtype and casts the stored value to it at each load."""
+    with placeholders_stay_meta():  # nothing is read: the placeholders stay on meta
+        for name, param in module._parameters.items():
+            if param is None or name in keep or not param.is_meta:
+                continue
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
 
 
 class LayerwiseCastingHook(ModelHook):
@@ -66,9 +77,7 @@ class LayerwiseCastingHook(ModelHook):
         self._kept_dtypes: dict[str, torch.dtype] = {}
 
     def init_hook(self, module: nn.Module) -> nn.Module:
-        for name, param in module._parameters.items():
-            if param is not None and name not in self.keep and param.is_floating_point() and param.is_meta:
-                set_placeholder_dtype(param, self.storage_dtype)  # offloaded: each load rounds to it
+        _cast_placeholders(module, self.storage_dtype, self.keep)  # offloaded: each load rounds to it
         _cast_own_tensors(module, self.storage_dtype, self.non_blocking, self.keep)
         return module
 
@@ -93,9 +102,7 @@ class LayerwiseCastingHook(ModelHook):
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
         _cast_own_tensors(module, self.compute_dtype, self.non_blocking, self.keep)
-        for name, param in module._parameters.items():  # still offloaded: loaded in the compute dtype from now on
-            if param is not None and name not in self.keep and param.is_floating_point() and param.is_meta:
-                set_placeholder_dtype(param, self.compute_dtype)
+        _cast_placeholders(module, self.compute_dtype, self.keep)  # still offloaded: loaded in the compute dtype
         return module
 
 

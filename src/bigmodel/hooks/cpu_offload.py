@@ -13,7 +13,20 @@ from .align import default_execution_device
 from .moving import send_to_device
 from .registry import ModelHook, remove_hook_from_module
 
-__all__ = ["CpuOffload", "PinnedCpuOffload", "UserCpuOffloadHook"]
+__all__ = ["CpuOffload", "PinnedCpuOffload", "UserCpuOffloadHook", "move_values"]
+
+
+def move_values(module: nn.Module, device: Any) -> nn.Module:
+    """``module.to(device)`` for the tensors that hold values; placeholders of offloaded tensors stay on ``meta``.
+
+    The tensors move as ``Module.to`` moves them (Parameter objects kept).  A model whose parts
+    are offloaded by other hooks (``cpu_offload`` then ``cpu_offload_with_hook``, or the reverse)
+    moves its resident parts; the offloading hooks bring the others' values at their forwards.
+    The moved tensors stay in the module after the forward: they are never inference tensors,
+    even when the move happens inside ``torch.inference_mode()``.
+    """
+    with torch.inference_mode(False):
+        return type(module)._apply(module, lambda t: t if t.is_meta else t.to(device))
 
 
 class CpuOffload(ModelHook):
@@ -30,17 +43,18 @@ class CpuOffload(ModelHook):
         self.prev_module_hook = prev_module_hook
 
     def init_hook(self, module: nn.Module) -> nn.Module:
-        return module.to("cpu")
+        return move_values(module, "cpu")
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         if self.prev_module_hook is not None:
             self.prev_module_hook.offload()
-        module.to(self.execution_device)
+        move_values(module, self.execution_device)
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return dict([*module.named_parameters(), *module.named_buffers()])
+    """The module's tensors that hold values (offloaded placeholders on ``meta`` are not moved)."""
+    return {n: t for n, t in [*module.named_parameters(), *module.named_buffers()] if not t.is_meta}
 
 
 class PinnedCpuOffload(CpuOffload):
@@ -61,7 +75,7 @@ class PinnedCpuOffload(CpuOffload):
     def init_hook(self, module: nn.Module) -> nn.Module:  # also what UserCpuOffloadHook.offload() runs
         tensors = _own_tensors(module)
         if set(tensors) != set(self._host):  # first call, or the module gained/lost tensors
-            module.to("cpu")
+            move_values(module, "cpu")
             tensors = _own_tensors(module)
             self._host = pin_tensors({name: t.detach() for name, t in tensors.items()})
             for name, tensor in tensors.items():
@@ -81,9 +95,10 @@ class PinnedCpuOffload(CpuOffload):
             self._copies = CopyStream(self.execution_device)
         device = self._copies.device
         tensors = _own_tensors(module)
-        moved = self._copies.copy({n: t.detach() for n, t in tensors.items() if t.device != device}).wait()
-        for name, value in moved.items():
-            tensors[name].data = value
+        with torch.inference_mode(False):  # the copies stay in the module after the forward
+            moved = self._copies.copy({n: t.detach() for n, t in tensors.items() if t.device != device}).wait()
+            for name, value in moved.items():
+                tensors[name].data = value
         return send_to_device(args, device), send_to_device(kwargs, device)
 
 

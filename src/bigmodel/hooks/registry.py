@@ -1,8 +1,9 @@
 """The hook mechanism: ``ModelHook``, ``SequentialHook`` and attaching them to modules.
 
 A hooked module keeps two attributes other libraries read: ``module._hf_hook`` (the hook)
-and ``module._old_forward`` (the forward it had before).  ``module.forward`` becomes a small
-function that runs ``hook.pre_forward``, the old forward and ``hook.post_forward``.
+and ``module._old_forward`` (the forward it had before).  ``module.forward`` becomes a
+:class:`~bigmodel.hooks.forward.HookedForward` that runs ``hook.pre_forward``, the old forward
+and ``hook.post_forward``.
 
 Everything this module patches onto a module instance is recorded in
 ``module._bigmodel_patches`` (attribute name → previous instance value, or "absent"), so
@@ -13,18 +14,31 @@ and ``del model`` frees its memory at once, without waiting for ``gc.collect()``
 
 from __future__ import annotations
 
-import inspect
 import logging
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from .forward import HookedForward, WeakBoundMethod
+
 logger = logging.getLogger(__name__)
 
-_ABSENT = object()  # marks "the instance had no such attribute" in a patch record
+
+class _Absent:
+    """Marks "the instance had no such attribute" in a patch record (one object, also in deep copies)."""
+
+    def __deepcopy__(self, memo: dict) -> _Absent:
+        return self
+
+    def __reduce__(self) -> str:
+        return "_ABSENT"
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT = _Absent()
 _PATCHES = "_bigmodel_patches"
 
 
@@ -134,115 +148,11 @@ def is_patched(module: nn.Module, name: str) -> bool:
     return name in (module.__dict__.get(_PATCHES) or {})
 
 
-# --- the patched forward ---------------------------------------------------------------
-
-
-class _WeakBoundMethod:
-    """``type(module).forward`` bound to ``module`` through a weak reference (no cycle)."""
-
-    __slots__ = ("_ref", "_func", "__weakref__")
-
-    def __init__(self, module: nn.Module, func: Callable) -> None:
-        self._ref = weakref.ref(module)
-        self._func = func
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._func(self._ref(), *args, **kwargs)
-
-    @property
-    def __self__(self) -> nn.Module | None:
-        return self._ref()
-
-    @property
-    def __func__(self) -> Callable:
-        return self._func
-
-
-def _eager(fn: Callable) -> Callable:
-    """``fn`` excluded from torch.compile tracing (hooks move tensors and mutate modules)."""
-    try:
-        return torch.compiler.disable(fn, recursive=True)
-    except Exception:  # pragma: no cover - very old torch without torch.compiler
-        return fn
-
-
-def _call_pre(hook: ModelHook, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return hook.pre_forward(module, *args, **kwargs)
-
-
-def _call_post(hook: ModelHook, module: nn.Module, output: Any) -> Any:
-    return hook.post_forward(module, output)
-
-
-_EAGER: dict[str, Callable] = {}
-
-
-def _eager_calls() -> tuple[Callable, Callable]:
-    if not _EAGER:
-        _EAGER["pre"] = _eager(_call_pre)
-        _EAGER["post"] = _eager(_call_post)
-    return _EAGER["pre"], _EAGER["post"]
-
-
-def _run_hooked(
-    hook: ModelHook, mod: nn.Module, call_pre: Callable, call_post: Callable, args: tuple, kwargs: dict
-) -> Any:
-    """``pre_forward`` → the original forward (under ``no_grad`` if the hook asks) → ``post_forward``."""
-    args, kwargs = call_pre(hook, mod, args, kwargs)
-    if hook.no_grad:
-        with torch.no_grad():
-            output = mod._old_forward(*args, **kwargs)
-    else:
-        output = mod._old_forward(*args, **kwargs)
-    return call_post(hook, mod, output)
-
-
-def _forward_failed(hook: ModelHook, mod: nn.Module) -> None:
-    """After an exception in a hooked forward, let hooks that hold resources release them.
-
-    A hook may define ``forward_failed(module)`` (e.g. an offloading hook sends the weights
-    it loaded back to ``meta``, so a failed forward does not leak them).  Errors raised
-    while cleaning up are logged, never raised over the forward's own exception.
-    """
-    for inner in iter_hooks(hook):
-        cleanup = getattr(inner, "forward_failed", None)
-        if cleanup is None:
-            continue
-        try:
-            cleanup(mod)
-        except Exception:
-            logger.exception("Cleaning up %s after a failed forward failed too.", type(inner).__name__)
-
-
-def _make_forward(module: nn.Module, signature_source: Callable) -> Callable:
-    ref = weakref.ref(module)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        mod = ref()
-        hook = mod._hf_hook
-        # Under torch.compile the hooks run eagerly (graph break); importing the compiler is
-        # only paid by programs that compile.
-        if torch.compiler.is_compiling():
-            return _run_hooked(hook, mod, *_eager_calls(), args, kwargs)
-        try:  # _run_hooked with the eager calls inlined (this runs once per module per forward)
-            args, kwargs = hook.pre_forward(mod, *args, **kwargs)
-            if hook.no_grad:
-                with torch.no_grad():
-                    output = mod._old_forward(*args, **kwargs)
-            else:
-                output = mod._old_forward(*args, **kwargs)
-            return hook.post_forward(mod, output)
-        except BaseException:
-            _forward_failed(hook, mod)
-            raise
-
-    forward.__name__ = getattr(signature_source, "__name__", "forward")
-    forward.__doc__ = getattr(signature_source, "__doc__", None)
-    try:  # transformers reads inspect.signature(model.forward) to filter generate() kwargs
-        forward.__signature__ = inspect.signature(signature_source)  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        pass
-    return forward
+def _init(hook: ModelHook, module: nn.Module) -> nn.Module:
+    """``hook.init_hook(module)``; what it builds (weights maps, moved or pinned copies) outlives any
+    forward, so it is never made of inference tensors, even inside ``torch.inference_mode()``."""
+    with torch.inference_mode(False):
+        return hook.init_hook(module)
 
 
 def _innermost_last(hooks: list[ModelHook]) -> list[ModelHook]:
@@ -267,23 +177,23 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
     existing = module.__dict__.get("_hf_hook")
     if "_old_forward" in module.__dict__ and existing is not None:
         if append:
-            module = hook.init_hook(module)
+            module = _init(hook, module)
             hook = SequentialHook(*_innermost_last([*iter_hooks(existing), hook]))
             patch_attribute(module, "_hf_hook", hook)
             return module
         # Replacing: the previous forward wrapper stays; only the hook changes.
-        module = hook.init_hook(module)
+        module = _init(hook, module)
         patch_attribute(module, "_hf_hook", hook)
         return module
 
     if "forward" in module.__dict__:
         old_forward = module.__dict__["forward"]  # an instance-level forward someone set: keep it as is
     else:
-        old_forward = _WeakBoundMethod(module, type(module).forward)
-    module = hook.init_hook(module)
+        old_forward = WeakBoundMethod(module)
+    module = _init(hook, module)
     patch_attribute(module, "_hf_hook", hook)
     patch_attribute(module, "_old_forward", old_forward)
-    patch_attribute(module, "forward", _make_forward(module, type(module).forward.__get__(module)))
+    patch_attribute(module, "forward", HookedForward(module))
     return module
 
 
@@ -302,7 +212,7 @@ def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Modu
         hook.detach_hook(module)
     old_forward = module.__dict__.get("_old_forward")
     record = module.__dict__.get(_PATCHES) or {}
-    if old_forward is not None and not isinstance(old_forward, _WeakBoundMethod) and "_old_forward" in record:
+    if old_forward is not None and not isinstance(old_forward, WeakBoundMethod) and "_old_forward" in record:
         # Someone replaced _old_forward after we hooked: keep their forward, as the convention says.
         if record["_old_forward"] is not old_forward:
             record["forward"] = old_forward

@@ -1,11 +1,14 @@
 """Hugging Face model folders: folder in, dispatched model out.
 
-A Hugging Face causal-LM folder holds ``config.json``, the weights (``model.safetensors``,
-a sharded ``*.index.json`` or ``pytorch_model.bin``) and usually a tokenizer.
-:func:`load_pretrained` builds the model on the ``meta`` device from the config, plans a
-device map under the budgets (no-split classes from ``model._no_split_modules``), and
-hands off to :func:`bigmodel.load_checkpoint_and_dispatch`.  :func:`empty_model` is the
-first step alone: ``bigmodel plan`` and ``bigmodel estimate`` use it to read no weights.
+A Hugging Face model folder holds ``config.json``, the weights (``model.safetensors``,
+a sharded ``*.index.json`` or ``pytorch_model.bin``) and often a tokenizer or processor.
+:func:`load_pretrained` builds the class named in ``config.architectures`` on the ``meta``
+device (any transformers model: decoders, MoE, encoders, seq2seq, vision, speech), reads
+the checkpoint's keys as transformers 5 reads them (renamed, per-expert weights fused:
+:mod:`bigmodel.integrations.hf_weights`), plans a device map under the budgets (no-split
+classes from ``model._no_split_modules``), loads each tensor straight to its device and
+attaches the hooks.  :func:`empty_model` is the first step alone: ``bigmodel plan`` and
+``bigmodel estimate`` use it to read no weights.
 
 transformers is an optional dependency (``pip install bigmodel[hf]``); it is imported
 only when one of these functions runs.
@@ -26,9 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoints.files import read_tensor_infos, resolve_checkpoint_files
 from ..core.devices import normalize_device
-from ..core.meta import init_empty_weights
 from ..core.sizes import compute_module_sizes, get_max_layer_size, to_dtype
+from .hf_models import (
+    build_on_meta,
+    declared_dtype,
+    model_class_for,
+    refuse_quantized,
+    resolve_dtype,
+)
+from .hf_weights import prepare_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -106,21 +117,22 @@ def _brief(error: BaseException, limit: int = 160) -> str:
 
 def config_dtype(config: Any) -> torch.dtype:
     """The dtype a config declares (``dtype`` or ``torch_dtype``), float32 when it declares none."""
-    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if declared is None or declared == "auto":
-        return torch.float32
-    resolved = to_dtype(declared)
-    return resolved if isinstance(resolved, torch.dtype) else torch.float32
+    return declared_dtype(config) or torch.float32
 
 
-def empty_model(config_or_path: Any, dtype: torch.dtype | str | None = None) -> nn.Module:
-    """Build the causal LM of a config on the ``meta`` device (no weights read, no memory used).
+def empty_model(
+    config_or_path: Any, dtype: torch.dtype | str | None = None, *, model_class: type | str | None = None
+) -> nn.Module:
+    """Build the model of a config on the ``meta`` device (no weights read, no memory used).
 
-    Tied weights (``lm_head`` ↔ embeddings) are tied.  The model is in eval mode.
+    The class is ``model_class``, else the first of ``config.architectures``, else the
+    config's causal LM.  Tied weights are tied, tensors transformers keeps in float32 for
+    ``dtype`` are float32, and the model is in eval mode.
 
     Args:
         config_or_path: a transformers config, a model folder or a ``config.json`` path.
-        dtype: dtype of the floating parameters; the config's dtype when None.
+        dtype: dtype of the floating parameters; the config's dtype (float32 if none) when None.
+        model_class: a transformers model class, an ``AutoModel*`` class or the name of one.
 
     Returns:
         The model, every parameter on ``meta``.
@@ -128,26 +140,20 @@ def empty_model(config_or_path: Any, dtype: torch.dtype | str | None = None) -> 
     Raises:
         ImportError: transformers is missing.
         FileNotFoundError / ValueError: see :func:`load_config`; ``ValueError`` also for an
-            unknown ``dtype`` or a config transformers has no causal-LM class for.
+            unknown ``dtype``, a class transformers does not have (custom code included), or a
+            class that cannot be built from the config.
     """
-    transformers = require_transformers()
+    require_transformers()
     if isinstance(config_or_path, (str, os.PathLike)):
+        source = repr(str(resolve_model_folder(config_or_path)))
         config = load_config(config_or_path)
     else:
+        source = "the config"
         config = copy.deepcopy(config_or_path)  # from_config records the dtype in the config
     torch_dtype = config_dtype(config) if dtype is None else to_dtype(dtype)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"dtype {dtype!r} has no torch dtype to build a model in; use e.g. 'bfloat16' or 'float16'.")
-    try:
-        with init_empty_weights():
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    except ValueError as error:
-        raise ValueError(
-            f"transformers has no causal-LM class for model_type {getattr(config, 'model_type', None)!r} "
-            f"({_brief(error)}); bigmodel loads causal LMs only."
-        ) from error
-    model.tie_weights()
-    return model.eval()
+    return build_on_meta(model_class_for(config, model_class, source), config, torch_dtype, source)
 
 
 def no_split_classes(model: nn.Module) -> list[str]:
@@ -251,12 +257,15 @@ def load_pretrained(
     *,
     offload_buffers: bool = False,
     strict: bool = False,
+    model_class: type | str | None = None,
 ) -> nn.Module:
-    """Load a Hugging Face causal-LM folder under budgets and return the dispatched model.
+    """Load a Hugging Face model folder under budgets and return the dispatched model.
 
-    Steps: config → empty model on ``meta`` → device map → each tensor straight to its
-    device (``"disk"`` tensors to ``offload_folder``) → hooks.  ``model.hf_device_map``
-    holds the map used.
+    Steps: config → the model class on ``meta`` → the checkpoint's keys as transformers reads
+    them → device map → each tensor straight to its device (``"disk"`` tensors to
+    ``offload_folder``) → hooks.  The result holds what ``from_pretrained(folder)`` gives:
+    same class, same weights bit for bit, same dtypes (``_keep_in_fp32_modules`` included),
+    same tied weights.  ``model.hf_device_map`` holds the map used.
 
     Args:
         path: model folder (``config.json`` + weights: safetensors or ``.bin``, sharded or not).
@@ -264,10 +273,13 @@ def load_pretrained(
             module name → device, or the path of a JSON device map.
         max_memory: budgets device → bytes or size string (``{"cpu": "2GiB"}``); free memory when None.
         offload_folder: where weights mapped to ``"disk"`` are kept; required if any are.
-        dtype: cast floating weights to it; the config's dtype when None.
+        dtype: dtype of the floating weights; as transformers' ``"auto"`` when None (the
+            config's dtype, else the checkpoint's).
         no_split_module_classes: class names never split; ``model._no_split_modules`` when None.
         offload_buffers: also offload buffers of offloaded modules.
-        strict: raise on checkpoint keys missing from the model or unexpected in it.
+        strict: also raise on checkpoint keys the model does not use (missing parameters always raise).
+        model_class: the class to build (a transformers model class, an ``AutoModel*`` class or
+            the name of one); the first of ``config.architectures`` when None.
 
     Returns:
         The model in eval mode, with weights placed and hooks attached.
@@ -275,33 +287,49 @@ def load_pretrained(
     Raises:
         ImportError: transformers is missing.
         FileNotFoundError: no folder, no config.json, or no weights in the folder.
-        ValueError: unknown dtype or device map; the map offloads to disk and no
-            ``offload_folder`` is given (says how large the model and its largest layer are).
+        ValueError: unknown dtype or device map; a class transformers does not have (names it);
+            a quantized checkpoint; parameters the checkpoint does not hold (names them); the
+            map offloads to disk and no ``offload_folder`` is given (says how large the model
+            and its largest layer are).  All before any weight is loaded.
     """
-    from ..checkpoints.files import resolve_checkpoint_files
-    from ..dispatch.dispatch import load_checkpoint_and_dispatch
+    from ..dispatch.dispatch import dispatch_model
+    from ..loading.loader import load_converted_checkpoint
 
     folder = resolve_model_folder(path)
-    resolve_checkpoint_files(folder)  # fail before building when there are no weights
-    model = empty_model(folder, dtype=dtype)
-    torch_dtype = next(model.parameters()).dtype
+    files = resolve_checkpoint_files(folder)  # fail before building when there are no weights
+    config = load_config(folder)
+    source = repr(str(folder))
+    refuse_quantized(config, source)
+    infos = read_tensor_infos(files)
+    torch_dtype = resolve_dtype(config, dtype, infos)
+    model = build_on_meta(model_class_for(config, model_class, source), config, torch_dtype, source)
+    conversion = prepare_checkpoint(model, infos, source)
     if isinstance(device_map, (str, os.PathLike)) and str(device_map) not in STRING_DEVICE_MAPS:
         device_map = read_device_map(device_map)
     no_split = no_split_classes(model) if no_split_module_classes is None else list(no_split_module_classes)
-    planned = plan_device_map(model, device_map, max_memory, no_split, dtype=torch_dtype)
-    _check_disk_needs_folder(model, planned, offload_folder, torch_dtype)
+    planned = plan_device_map(model, device_map, max_memory, no_split)
+    _check_disk_needs_folder(model, planned, offload_folder, None)
     logger.info("Loading %s with device map over %s", folder, sorted({str(d) for d in planned.values()}))
-    model = load_checkpoint_and_dispatch(
-        model, str(folder), device_map=planned, no_split_module_classes=no_split,
-        offload_folder=None if offload_folder is None else str(offload_folder),
-        offload_buffers=offload_buffers, dtype=torch_dtype, strict=strict,
+    offload_dir = None if offload_folder is None else str(offload_folder)
+    load_converted_checkpoint(
+        model, folder, conversion, device_map=planned, offload_folder=offload_dir, dtype=torch_dtype,
+        keep_in_fp32_modules=_other_dtype_names(model, torch_dtype), offload_state_dict="disk" in planned.values(),
+        offload_buffers=offload_buffers, strict=strict,
     )  # fmt: skip
+    model = dispatch_model(model, device_map=planned, offload_dir=offload_dir, offload_buffers=offload_buffers)
     _attach_generation_config(model, folder)
     return model.eval()
 
 
+def _other_dtype_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Floating tensors the built model holds in float32 while ``dtype`` is another (kept in fp32 on load)."""
+    if dtype == torch.float32:
+        return []
+    return [name for name, tensor in model.state_dict().items() if tensor.dtype == torch.float32]
+
+
 def _attach_generation_config(model: nn.Module, folder: Path) -> None:
-    if not (folder / "generation_config.json").is_file():
+    if not (folder / "generation_config.json").is_file() or not getattr(model, "can_generate", lambda: True)():
         return
     transformers = require_transformers()
     model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))

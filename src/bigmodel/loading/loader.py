@@ -9,6 +9,9 @@ The load runs in three steps:
    zero-copy view on CPU when its dtype is unchanged) or to the offload folder (a pointer
    into the safetensors file when possible, else a ``.dat`` file);
 3. *commit*: write the offload index atomically and re-tie tied parameters.
+
+:func:`load_converted_checkpoint` does the same for a checkpoint whose keys are not the
+model's names (a :class:`bigmodel.loading.conversion.KeyConversion` maps them).
 """
 
 from __future__ import annotations
@@ -36,32 +39,38 @@ from ..core.sizes import to_dtype
 from ..core.tensors import (
     device_of,
     find_tied_parameters,
+    hold_meta_placeholder,
     loaded_dtype,
     retie_parameters,
     set_module_tensor_to_device,
 )
 from ..offload.storage import OffloadWriter, dat_path, load_offloaded_weight
+from .conversion import KeyConversion, TensorRouter, convert_infos
+from .key_checks import check_shapes, listed, report_keys
 
 logger = logging.getLogger(__name__)
-
-_MAX_LISTED_KEYS = 20
 
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one model tensor goes: ``device`` (``"disk"`` included) and the dtype to store it in."""
+    """Where one model tensor goes: ``device`` (``"disk"`` included), the dtype to store it in, and
+    the dtype the model computes with (for ``"disk"``: the dtype of its ``meta`` placeholder)."""
 
     device: torch.device | str  # "disk" or a torch device
     dtype: torch.dtype
+    held_dtype: torch.dtype
 
 
 @dataclass
 class _Plan:
-    infos: dict[str, TensorInfo]
+    infos: dict[str, TensorInfo]  # model tensor name → what fills it
     targets: dict[str, _Target]
-    aliases: dict[str, list[str]] = field(default_factory=dict)  # checkpoint key → tied names it also fills
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # model name → tied names it also fills
     tied_groups: list[list[str]] = field(default_factory=list)
     loaded: dict[Path, dict[str, torch.Tensor]] = field(default_factory=dict)  # mapped pickles, read once
+    router: TensorRouter = field(default_factory=lambda: TensorRouter(None))  # checkpoint key → model names
+    read_bytes: int = 0  # bytes of the checkpoint tensors read
+    placeholders: dict[int, torch.Tensor] = field(default_factory=dict)  # model tensor id → its meta placeholder
 
 
 def load_checkpoint_in_model(
@@ -119,9 +128,63 @@ def load_checkpoint_in_model(
         )  # fmt: skip
     if offload_8bit_bnb:
         logger.debug("offload_8bit_bnb: bitsandbytes weights are offloaded as stored.")
-    files = resolve_checkpoint_files(checkpoint)
-    fp32 = keep_in_fp32_modules or ()
-    plan = _make_plan(model, files, device_map, _floating_dtype(dtype), fp32, strict, offload_buffers)
+    _load(
+        model, resolve_checkpoint_files(checkpoint), None, device_map, offload_folder, _floating_dtype(dtype),
+        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict,
+    )  # fmt: skip
+
+
+def load_converted_checkpoint(
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    conversion: KeyConversion,
+    *,
+    device_map: Mapping[str, DeviceSpec] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
+    keep_in_fp32_modules: Sequence[str] | None = None,
+    strict: bool = False,
+) -> None:
+    """:func:`load_checkpoint_in_model` for a checkpoint whose keys are not the model's names.
+
+    Renamed tensors load as any other (zero-copy views, pointers into safetensors files for
+    disk); tensors built by a recipe are built once their sources are read and then placed
+    like the others (written to ``.dat`` files when they go to disk).
+
+    Args:
+        model: the model, usually built under :func:`bigmodel.init_empty_weights`.
+        checkpoint: a weights file, a sharded checkpoint's ``*.index.json``, or a folder holding one.
+        conversion: checkpoint key → model name, and the recipes that build fused tensors.
+        device_map, offload_folder, dtype, offload_state_dict, offload_buffers, keep_in_fp32_modules,
+            strict: as in :func:`load_checkpoint_in_model`; key checks use the model's names.
+
+    Raises:
+        FileNotFoundError: the checkpoint or one of its shards is missing.
+        ValueError: as in :func:`load_checkpoint_in_model`, and a recipe that fails on the
+            checkpoint's shapes (names its sources); raised before the model is modified.
+        PermissionError: the offload folder is not writable.
+    """
+    _load(
+        model, resolve_checkpoint_files(checkpoint), conversion, device_map, offload_folder, _floating_dtype(dtype),
+        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict,
+    )  # fmt: skip
+
+
+def _load(
+    model: nn.Module,
+    files: list[Path],
+    conversion: KeyConversion | None,
+    device_map: Mapping[str, DeviceSpec] | None,
+    offload_folder: str | os.PathLike | None,
+    dtype: torch.dtype | None,
+    offload_state_dict: bool,
+    offload_buffers: bool,
+    fp32: Sequence[str],
+    strict: bool,
+) -> None:
+    plan = _make_plan(model, files, conversion, device_map, dtype, fp32, strict, offload_buffers)
     writer = _disk_writer(plan, offload_folder, files)
     spill = OffloadWriter(tempfile.mkdtemp(prefix="bigmodel-spill-")) if offload_state_dict else None
     try:
@@ -156,6 +219,7 @@ def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def _make_plan(
     model: nn.Module,
     files: list[Path],
+    conversion: KeyConversion | None,
     device_map: Mapping[str, DeviceSpec] | None,
     dtype: torch.dtype | None,
     keep_in_fp32: Sequence[str],
@@ -163,10 +227,16 @@ def _make_plan(
     offload_buffers: bool,
 ) -> _Plan:
     loaded: dict[Path, dict[str, torch.Tensor]] = {}
-    infos = read_tensor_infos(files, keep_loaded=loaded)
+    stored = read_tensor_infos(files, keep_loaded=loaded)
+    converted = convert_infos(stored, conversion)
+    infos = converted.infos
     expected = model.state_dict(keep_vars=True)
     buffers = {name for name, _ in model.named_buffers()}
-    plan = _Plan(infos=infos, targets={}, tied_groups=find_tied_parameters(model), loaded=loaded)
+    plan = _Plan(
+        infos=infos, targets={}, tied_groups=find_tied_parameters(model), loaded=loaded,
+        router=TensorRouter(conversion, converted.shadowed),
+        read_bytes=sum(i.dtype.itemsize * torch.Size(i.shape).numel() for i in stored.values()),
+    )  # fmt: skip
     for group in plan.tied_groups:
         present = [n for n in group if n in infos]
         absent = [n for n in group if n not in infos and n in expected]
@@ -175,50 +245,17 @@ def _make_plan(
     filled = {n for names in plan.aliases.values() for n in names}
     missing = sorted(set(expected) - set(infos) - filled)
     unexpected = sorted(set(infos) - set(expected))
-    _report_keys(missing, unexpected, strict)
-    _check_shapes(expected, infos, plan.aliases)
+    report_keys(missing, unexpected, strict)
+    check_shapes(expected, infos, plan.aliases)
     for name, tensor in expected.items():
         source = infos.get(name) or next((infos[k] for k, v in plan.aliases.items() if name in v), None)
         if source is None:
             continue
         device = _device_for(name, tensor, device_map, buffers, offload_buffers)
-        plan.targets[name] = _Target(device, _dtype_for(name, tensor, source, device, dtype, keep_in_fp32))
+        held = _dtype_for(name, tensor, source, "memory", dtype, keep_in_fp32)
+        stored = held if device != "disk" else _dtype_for(name, tensor, source, device, dtype, keep_in_fp32)
+        plan.targets[name] = _Target(device, stored, held)
     return plan
-
-
-def _report_keys(missing: list[str], unexpected: list[str], strict: bool) -> None:
-    if not missing and not unexpected:
-        return
-    labelled = (("missing", missing), ("unexpected", unexpected))
-    parts = [f"{label} keys ({len(keys)}): {_listed(keys)}" for label, keys in labelled if keys]
-    if strict:
-        raise ValueError(
-            "The checkpoint does not match the model; " + "; ".join(parts)
-            + ". Load the matching checkpoint, or pass strict=False to load what matches."
-        )
-    for part in parts:
-        logger.warning("Loading checkpoint: %s", part)
-
-
-def _listed(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
-    return shown + (f" ... and {len(keys) - _MAX_LISTED_KEYS} more" if len(keys) > _MAX_LISTED_KEYS else "")
-
-
-def _check_shapes(
-    expected: Mapping[str, torch.Tensor], infos: Mapping[str, TensorInfo], aliases: Mapping[str, list[str]]
-) -> None:
-    pairs = [(n, n) for n in infos if n in expected] + [(a, k) for k, names in aliases.items() for a in names]
-    bad = [
-        f"{name!r}: checkpoint {list(infos[key].shape)} vs model {list(expected[name].shape)}"
-        for name, key in sorted(pairs)
-        if tuple(expected[name].shape) != infos[key].shape
-    ]
-    if bad:
-        raise ValueError(
-            f"Shape mismatch between the checkpoint and the model for {len(bad)} tensor(s): {_listed(bad)}. "
-            "Build the model from the checkpoint's config."
-        )
 
 
 def _device_for(
@@ -262,7 +299,7 @@ def _disk_writer(plan: _Plan, offload_folder: str | os.PathLike | None, files: l
         return None
     if offload_folder is None:
         raise ValueError(
-            f"The device map puts {len(disk)} tensor(s) on 'disk' ({_listed(disk)}) but no offload_folder was "
+            f"The device map puts {len(disk)} tensor(s) on 'disk' ({listed(disk)}) but no offload_folder was "
             "given; pass offload_folder=<a writable folder>."
         )
     folder = Path(offload_folder).resolve()
@@ -281,39 +318,57 @@ def _stream(
     model: nn.Module, files: list[Path], plan: _Plan, writer: OffloadWriter | None, spill: OffloadWriter | None
 ) -> None:
     """Read the checkpoint tensor by tensor and send each to its device, the offload folder or the spill."""
-    total = sum(i.dtype.itemsize * torch.Size(i.shape).numel() for i in plan.infos.values())
-    with ByteProgress(total, "Loading checkpoint") as bar:
-        for key, tensor in iter_checkpoint_tensors(files, plan.loaded):
-            first: str | None = None
-            for name in (key, *plan.aliases.get(key, ())):
-                target = plan.targets.get(name)
-                if target is None:
-                    continue
-                if target.device == "disk":
-                    _to_folder(writer, name, key, tensor, plan.infos[key], target, first)
-                    first = first or name
-                elif spill is not None and tensor.dtype != target.dtype and target.device.type == "cpu":
-                    spill.write(name, tensor.to(target.dtype))
-                else:
-                    set_module_tensor_to_device(
-                        model, name, target.device, value=tensor, dtype=target.dtype, clear_cache=False
-                    )
-            bar.update(tensor.nbytes)
+    with ByteProgress(plan.read_bytes, "Loading checkpoint") as bar:
+        for key, stored in iter_checkpoint_tensors(files, plan.loaded):
+            for model_name, tensor, source_key in plan.router.route(key, stored):
+                _place(model, model_name, tensor, source_key, plan, writer, spill)
+            bar.update(stored.nbytes)
+    unfinished = plan.router.unfinished()
+    if unfinished:  # cannot happen for a checkpoint read whole; guards a reader that skipped tensors
+        raise RuntimeError(f"Tensor conversions never received all their sources, e.g. {unfinished[0]!r}.")
+
+
+def _place(
+    model: nn.Module,
+    model_name: str,
+    tensor: torch.Tensor,
+    source_key: str | None,
+    plan: _Plan,
+    writer: OffloadWriter | None,
+    spill: OffloadWriter | None,
+) -> None:
+    """Send one model tensor (and the tied names it also fills) to its device, the folder or the spill."""
+    first: str | None = None
+    for name in (model_name, *plan.aliases.get(model_name, ())):
+        target = plan.targets.get(name)
+        if target is None:
+            continue
+        if target.device == "disk":
+            _to_folder(writer, name, source_key, tensor, plan.infos[model_name], target, first)
+            hold_meta_placeholder(model, name, target.held_dtype, plan.placeholders)
+            first = first or name
+        elif spill is not None and tensor.dtype != target.dtype and target.device.type == "cpu":
+            spill.write(name, tensor.to(target.dtype))
+        else:
+            set_module_tensor_to_device(model, name, target.device, value=tensor, dtype=target.dtype, clear_cache=False)
 
 
 def _to_folder(
     writer: OffloadWriter,
     name: str,
-    key: str,
+    key: str | None,
     tensor: torch.Tensor,
     info: TensorInfo,
     target: _Target,
     first: str | None,
 ) -> None:
-    """Offload one tensor: a pointer into safetensors when the dtype is unchanged, else a ``.dat`` file."""
+    """Offload one tensor: a pointer into safetensors when the dtype is unchanged, else a ``.dat`` file.
+
+    ``key`` is the tensor's key in its safetensors file, None for a tensor built in memory.
+    """
     if first is not None and writer.index[first]["dtype"] == str(target.dtype).removeprefix("torch."):
         writer.duplicate(name, first)
-    elif info.is_safetensors and tensor.dtype == target.dtype:
+    elif key is not None and info.is_safetensors and tensor.dtype == target.dtype:
         writer.point(name, info.file, key, tensor.dtype, tensor.shape)
     else:
         writer.write(name, tensor.to(target.dtype))

@@ -8,6 +8,7 @@ is written last.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -274,6 +275,17 @@ class OffloadedWeightsLoader(Mapping):
         self._mapped: dict[str, torch.Tensor] = {}  # name → zero-copy view of its mapped file
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict) -> OffloadedWeightsLoader:
+        """A loader over the same (read-only) folder and index, with a copy of the in-memory tensors.
+
+        The copy maps the files again when it first reads them; an entry stored into its
+        ``state_dict`` never reaches the original.
+        """
+        return OffloadedWeightsLoader(
+            state_dict=copy.deepcopy(self.state_dict, memo), save_folder=self.save_folder,
+            index=copy.deepcopy(self.index, memo), device=self.device,
+        )  # fmt: skip
+
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.state_dict:
             return self.state_dict[key]
@@ -289,8 +301,12 @@ class OffloadedWeightsLoader(Mapping):
         return tensor
 
     def _map(self, key: str) -> torch.Tensor:
-        """Read ``key`` from its file; keep it when it is a view of the file's mapping (no copy)."""
-        with self._lock:
+        """Read ``key`` from its file; keep it when it is a view of the file's mapping (no copy).
+
+        The kept view is made outside inference mode even when the read happens inside it (an
+        inference tensor kept here would break every later forward that records gradients).
+        """
+        with self._lock, torch.inference_mode(False):
             cached = self._mapped.get(key)
             if cached is not None:
                 return cached.detach()

@@ -33,6 +33,7 @@ from .fill import (
     largest_layer,
     offload_need,
     scan_model,
+    shared_buffer_groups,
     shortfall,
 )
 from .memory import get_balanced_memory, get_max_memory
@@ -114,7 +115,7 @@ def infer_auto_device_map(
     ctx = PlanContext.build(
         model,
         sizes,
-        tied,
+        tied + shared_buffer_groups(model),  # a block under several names: all its names on one device
         no_split=no_split,
         devices=devices,
         limits=limits,

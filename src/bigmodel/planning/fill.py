@@ -136,6 +136,17 @@ def scan_model(
     return sizes, [group for group in groups if len(group) > 1]
 
 
+def shared_buffer_groups(model: nn.Module) -> list[list[str]]:
+    """Groups of names under which one buffer is registered (a block registered under several names).
+
+    The planner keeps each group on one device, as it keeps tied parameters together.
+    """
+    names: dict[int, list[str]] = {}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(buffer), []).append(name)
+    return sorted((sorted(group) for group in names.values() if len(group) > 1), key=lambda group: group[0])
+
+
 def largest_layer(ctx: PlanContext, unit: Unit) -> int:
     """Bytes of the largest layer under ``unit``: a leaf or no-split module, or the own tensors of a split one.
 

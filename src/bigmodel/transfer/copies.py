@@ -235,6 +235,10 @@ class DeviceStager:
         self._staging: StagingBuffer | None = None
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict) -> DeviceStager:
+        """A new stager with the same settings (its own streams and staging buffer, made when first used)."""
+        return DeviceStager(self.staging_bytes, pin=self.pin)
+
     def _buffer(self, nbytes: int) -> StagingBuffer:
         with self._lock:
             if self._staging is None or self._staging.capacity < nbytes:

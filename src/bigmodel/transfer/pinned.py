@@ -82,7 +82,8 @@ def pin_memory_enabled(enabled: bool = True) -> bool:
 
 
 def _pinned_arena(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    with torch.inference_mode(False):  # kept across forwards: never an inference tensor
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _byte_view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -235,7 +236,8 @@ class StagingBuffer:
             )
         self.alignment = alignment
         self.pinned = pin_memory_enabled(pin)
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pinned)
+        with torch.inference_mode(False):  # reused across forwards: never an inference tensor
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pinned)
         self._live: deque[StagedBatch] = deque()
         self._cond = threading.Condition()
 

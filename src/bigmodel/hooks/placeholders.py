@@ -1,0 +1,174 @@
+"""Meta placeholders: what an offloaded module holds, between forwards, in place of each offloaded tensor.
+
+A placeholder is the one place where everything a user can change on an offloaded tensor
+without touching its value lives; the offloading hook reads it each time it loads the value:
+
+- its **dtype**: ``model.to(torch.float64)``, ``.half()``... cast the placeholder (on ``meta``,
+  nothing is read) and the hook casts the value to it when it loads it;
+- its **requires_grad**: ``model.requires_grad_(False)`` sets it, and the Parameter the forward
+  computes with gets it;
+- its **identity**: tied names share one placeholder, as they shared one Parameter.
+
+Placeholders of parameters are :class:`OffloadedParameter` objects: on ``meta`` like any
+offloaded tensor (``.device``, ``.shape``, ``state_dict()`` see ``meta``), but when an op uses
+one outside its module's forward (a parent module reading ``self.child.weight`` directly), the
+value is loaded from the weights map for that op, with a one-time warning suggesting
+``preload_module_classes``.  Inside :func:`placeholders_stay_meta` they act as plain meta
+tensors (a model-wide cast changes their dtype without reading any value).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OffloadedParameter", "Slot", "make_slot", "placeholder_state", "placeholders_stay_meta"]
+
+# Tensor attributes/methods that only read metadata: a placeholder answers them itself (meta).
+_METADATA = frozenset(
+    "device shape dtype is_meta requires_grad ndim layout is_cuda is_cpu is_sparse is_quantized is_leaf grad "
+    "grad_fn data _version names itemsize nbytes size dim numel nelement stride element_size is_floating_point "
+    "is_complex is_contiguous __repr__ __format__ __reduce_ex__ __deepcopy__ detach requires_grad_ __hash__ "
+    "__len__ __bool__ storage_offset untyped_storage _typed_storage __setstate__ __set__ __get__".split()
+)
+_WARNED: set[tuple[str, str]] = set()
+_LOCAL = threading.local()  # .stay_meta: placeholders act as plain meta tensors (this thread only)
+
+
+def _func_name(func: Callable) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        owner = getattr(func, "__self__", None)
+        return getattr(owner, "__name__", name)
+    return name
+
+
+class OffloadedParameter(nn.Parameter):
+    """Meta placeholder of an offloaded parameter that loads its value when an op uses it."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if _func_name(func) not in _METADATA and not getattr(_LOCAL, "stay_meta", False):
+                args, kwargs = tree_map(_materialize, (args, kwargs))
+            return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> OffloadedParameter:
+        """A new placeholder (same dtype, shape, requires_grad) whose value comes from a copy of its hook."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch._C.DisableTorchFunctionSubclass():
+            result = type(self)(torch.empty_like(self), requires_grad=self.requires_grad)
+        memo[id(self)] = result
+        source = self.__dict__.get("_bm_source")
+        hook = source[0]() if source else None
+        if hook is not None:  # the hook's copy holds this copy in its slots (memo): no recursion
+            result.__dict__["_bm_source"] = (weakref.ref(copy.deepcopy(hook, memo)), source[1])
+        return result
+
+
+@contextlib.contextmanager
+def placeholders_stay_meta() -> Iterator[None]:
+    """Inside the context (this thread), ops on placeholders never load values: they act on ``meta``."""
+    previous = getattr(_LOCAL, "stay_meta", False)
+    _LOCAL.stay_meta = True
+    try:
+        yield
+    finally:
+        _LOCAL.stay_meta = previous
+
+
+def _materialize(obj: Any) -> Any:
+    if not isinstance(obj, OffloadedParameter) or obj.device.type != "meta":
+        return obj
+    source = obj.__dict__.get("_bm_source")
+    hook = source[0]() if source else None
+    if hook is None:
+        return obj
+    name = source[1]
+    module_name = getattr(hook, "module_name", "")
+    full = f"{module_name}.{name}" if module_name else name
+    if (module_name, name) not in _WARNED:
+        _WARNED.add((module_name, name))
+        logger.warning(
+            "Offloaded tensor %r was used outside its module's forward (a parent module reads a child's "
+            "weight directly); it is loaded for each such use. Add the parent's class to "
+            "`preload_module_classes` to load it once per forward.",
+            full,
+        )
+    if hook.prefetcher is not None:  # weights-map reads are serialised with the prefetch thread
+        with hook.prefetcher.read_lock:
+            value = hook.weights_map[name]
+    else:
+        value = hook.weights_map[name]
+    return hook.load_value(name, value)
+
+
+@dataclass
+class Slot:
+    """One offloaded tensor of a module: its placeholder, and how to rebuild a value around it.
+
+    ``placeholder`` holds the dtype and requires_grad the value gets (read with
+    :func:`placeholder_state` each time it is loaded, never cached here).
+    """
+
+    placeholder: torch.Tensor
+    is_parameter: bool
+    param_type: type = torch.Tensor
+    extra: dict | None = None  # __dict__ settings of a Parameter subclass (quantised weights)
+
+    def wrap(self, value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        """``value`` as the module holds it: a Parameter of the original class if it was one."""
+        if not self.is_parameter:
+            return value
+        requires_grad = requires_grad and value.is_floating_point()
+        if self.param_type is nn.Parameter:
+            return nn.Parameter(value, requires_grad=requires_grad)
+        return self.param_type(value, requires_grad=requires_grad, **(self.extra or {}))
+
+
+def placeholder_state(slot: Slot) -> tuple[torch.dtype | None, bool]:
+    """``(floating dtype or None, requires_grad)`` of a slot's placeholder, read without its ``__torch_function__``."""
+    with torch._C.DisableTorchFunctionSubclass():
+        placeholder = slot.placeholder
+        dtype = placeholder.dtype
+        return (dtype if dtype.is_floating_point else None), placeholder.requires_grad
+
+
+def placeholder_states(slots: dict[str, Slot]) -> list[tuple[str, Slot, torch.dtype | None, bool]]:
+    """:func:`placeholder_state` of every slot, in one pass: ``[(name, slot, dtype, requires_grad)]``."""
+    with torch._C.DisableTorchFunctionSubclass():
+        states = []
+        for name, slot in slots.items():
+            placeholder = slot.placeholder
+            dtype = placeholder.dtype
+            states.append((name, slot, dtype if dtype.is_floating_point else None, placeholder.requires_grad))
+        return states
+
+
+def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) -> Slot:
+    """The slot replacing ``tensor`` (tensor ``name`` of ``hook``'s module) while it is offloaded."""
+    meta = tensor.detach().to("meta")
+    if not is_parameter:
+        return Slot(meta, False)
+    extra = {k: v for k, v in tensor.__dict__.items() if k not in ("requires_grad", "_bm_source")}
+    param_type = type(tensor) if not isinstance(tensor, OffloadedParameter) else nn.Parameter
+    if param_type is nn.Parameter:
+        placeholder = OffloadedParameter(meta, requires_grad=tensor.requires_grad)
+        placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
+    else:  # quantised parameter subclasses keep their own type on meta
+        placeholder = param_type(meta, requires_grad=tensor.requires_grad, **extra)
+    return Slot(placeholder, True, param_type, extra)

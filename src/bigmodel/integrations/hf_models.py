@@ -1,0 +1,178 @@
+"""Which transformers class a folder holds, built on the ``meta`` device as ``from_pretrained`` builds it.
+
+The class is the first name in ``config.architectures`` (what ``save_pretrained`` records
+and what the hub's ``AutoModelFor*`` pick), or one the caller names; folders without
+``architectures`` are read as causal LMs.  The model is built in the requested dtype with
+weights on ``meta``, tied as transformers ties them, and the tensors transformers keeps in
+float32 (``_keep_in_fp32_modules`` under float16, ``_keep_in_fp32_modules_strict`` under
+float16 and bfloat16) are float32 here too, so planning, loading and hooks see the dtypes
+``from_pretrained`` gives.  The dtype itself is resolved as transformers' ``dtype="auto"``
+resolves it.  transformers is imported by the callers (``bigmodel.integrations.hf``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoints.files import TensorInfo
+from ..core.meta import init_empty_weights
+from ..core.sizes import to_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def declared_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a config declares (``dtype`` or ``torch_dtype``), None when it declares none."""
+    has_dtype = hasattr(config, "dtype")  # transformers >= 4.56; reading torch_dtype there warns
+    declared = getattr(config, "dtype", None) if has_dtype else getattr(config, "torch_dtype", None)
+    if declared is None or declared == "auto":
+        return None
+    resolved = to_dtype(declared)
+    return resolved if isinstance(resolved, torch.dtype) else None
+
+
+def resolve_dtype(config: Any, dtype: torch.dtype | str | None, infos: Mapping[str, TensorInfo]) -> torch.dtype:
+    """The dtype ``from_pretrained`` would load in: ``dtype``, else the config's, else the checkpoint's.
+
+    As transformers' ``dtype="auto"`` (its default): a config without a dtype takes the
+    first floating dtype stored in the checkpoint, float32 when it has none.
+
+    Raises:
+        ValueError: ``dtype`` is not a floating torch dtype.
+    """
+    if dtype is not None and dtype != "auto":
+        resolved = to_dtype(dtype)
+        if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+            raise ValueError(f"dtype {dtype!r} is not a floating torch dtype; use e.g. 'bfloat16' or 'float16'.")
+        return resolved
+    stored = (info.dtype for info in infos.values() if info.dtype.is_floating_point)
+    return declared_dtype(config) or next(stored, torch.float32)
+
+
+def refuse_quantized(config: Any, source: str) -> None:
+    """Refuse a config quantized by a transformers quantizer (bigmodel loads unquantized weights).
+
+    Raises:
+        ValueError: the config has a ``quantization_config`` (names the method and what to do).
+    """
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    raise ValueError(
+        f"The model in {source} is quantized by a transformers quantizer ({method or 'quantization_config'}), "
+        "which bigmodel does not run; load it with transformers' from_pretrained(device_map=...), or use an "
+        "unquantized checkpoint."
+    )
+
+
+def model_class_for(config: Any, model_class: type | str | None = None, source: str = "the config") -> type:
+    """The transformers class to build for ``config``.
+
+    Args:
+        config: a transformers config.
+        model_class: a class (a model class or an ``AutoModel*`` class) or the name of one in
+            ``transformers``; None: the first of ``config.architectures``, else ``AutoModelForCausalLM``.
+        source: what the config was read from, for error messages.
+
+    Returns:
+        The class.
+
+    Raises:
+        ValueError: the name is not a model class of the installed transformers (custom code
+            from the hub included); says how to pick another with ``model_class``.
+    """
+    transformers = importlib.import_module("transformers")
+    if model_class is not None and not isinstance(model_class, str):
+        return model_class
+    names = [model_class] if isinstance(model_class, str) else list(getattr(config, "architectures", None) or [])
+    if not names:
+        return transformers.AutoModelForCausalLM
+    try:
+        cls = getattr(transformers, names[0], None)
+    except (ImportError, RuntimeError) as error:  # a class whose optional backend is not installed
+        cls, missing = None, f"transformers cannot import it ({error})"
+    else:
+        missing = f"the installed transformers {transformers.__version__} has no such model class"
+    if isinstance(cls, type) and (issubclass(cls, transformers.PreTrainedModel) or hasattr(cls, "from_config")):
+        return cls
+    custom = getattr(config, "auto_map", None)
+    why = "it is custom code from the model's repository (auto_map), which bigmodel does not run" if custom else missing
+    raise ValueError(
+        f"Cannot build {names[0]!r} for {source}: {why}. Pass model_class= a transformers model class or its name "
+        "(e.g. model_class='AutoModel', or a class you imported yourself), or load it with transformers' "
+        "from_pretrained(device_map=...)."
+    )
+
+
+def build_on_meta(cls: type, config: Any, dtype: torch.dtype, source: str = "the config") -> nn.Module:
+    """Build ``cls`` from ``config`` with every parameter on ``meta`` (buffers real), tied, in eval mode.
+
+    Floating parameters are created in ``dtype``; those transformers keeps in float32 for
+    that dtype are float32 (see :func:`keep_in_fp32`).
+
+    Raises:
+        ValueError: the class cannot be built from this config (names both).
+    """
+    transformers = importlib.import_module("transformers")
+    is_model = issubclass(cls, transformers.PreTrainedModel)
+    try:
+        with init_empty_weights():
+            model = cls._from_config(config, dtype=dtype) if is_model else cls.from_config(config, dtype=dtype)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"Cannot build {cls.__name__} from {source} ({error}); pass model_class= a class made for this "
+            f"config (model_type {getattr(config, 'model_type', None)!r})."
+        ) from error
+    model.tie_weights()
+    cast_to_fp32(model, keep_in_fp32(model, dtype))
+    return model.eval()
+
+
+def keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """State-dict names transformers loads in float32 when the model's dtype is ``dtype``.
+
+    The patterns come from the model's own dtype plan (``_keep_in_fp32_modules`` apply under
+    float16, ``_keep_in_fp32_modules_strict`` under float16 and bfloat16) and match as
+    transformers matches them (a regular-expression search in the name).
+    """
+    plan_of = getattr(model, "_get_dtype_plan", None)
+    if plan_of is None:  # transformers 4
+        return []
+    patterns = [p for p, kept in plan_of(dtype).items() if kept == torch.float32]
+    if not patterns:
+        return []
+    from transformers.core_model_loading import build_glob_alternation
+
+    search = build_glob_alternation(patterns)[0].search
+    return [name for name, tensor in model.state_dict().items() if tensor.is_floating_point() and search(name)]
+
+
+def cast_to_fp32(model: nn.Module, names: list[str]) -> None:
+    """Make the tensors ``names`` of a (meta) model float32 in place; names tied to them follow."""
+    wanted = set(names)
+    slots = [
+        (store, leaf, f"{prefix}.{leaf}" if prefix else leaf)
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for store in (module._parameters, module._buffers)
+        for leaf in store
+    ]
+    chosen = {id(store[leaf]) for store, leaf, name in slots if name in wanted and store[leaf] is not None}
+    replaced: dict[int, torch.Tensor] = {}
+    for store, leaf, _ in slots:
+        tensor = store[leaf]
+        if tensor is None or id(tensor) not in chosen:
+            continue
+        if id(tensor) not in replaced:
+            value = tensor.detach().to(torch.float32)
+            is_param = isinstance(tensor, nn.Parameter)
+            replaced[id(tensor)] = nn.Parameter(value, requires_grad=tensor.requires_grad) if is_param else value
+        store[leaf] = replaced[id(tensor)]
+    if names:
+        logger.debug("Kept in float32 as transformers keeps them: %s", ", ".join(names))

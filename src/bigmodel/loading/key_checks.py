@@ -1,0 +1,60 @@
+"""Checks of a checkpoint's tensors against a model, made before anything is loaded."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from ..checkpoints.files import TensorInfo
+
+logger = logging.getLogger(__name__)
+
+_MAX_LISTED_KEYS = 20
+
+
+def report_keys(missing: list[str], unexpected: list[str], strict: bool) -> None:
+    """Log the keys the model and the checkpoint do not share, or raise with ``strict``.
+
+    Raises:
+        ValueError: with ``strict``, when any key is missing or unexpected (lists them).
+    """
+    if not missing and not unexpected:
+        return
+    labelled = (("missing", missing), ("unexpected", unexpected))
+    parts = [f"{label} keys ({len(keys)}): {listed(keys)}" for label, keys in labelled if keys]
+    if strict:
+        raise ValueError(
+            "The checkpoint does not match the model; " + "; ".join(parts)
+            + ". Load the matching checkpoint, or pass strict=False to load what matches."
+        )
+    for part in parts:
+        logger.warning("Loading checkpoint: %s", part)
+
+
+def listed(keys: list[str]) -> str:
+    """The first keys of a list, joined for an error message, with how many more there are."""
+    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
+    return shown + (f" ... and {len(keys) - _MAX_LISTED_KEYS} more" if len(keys) > _MAX_LISTED_KEYS else "")
+
+
+def check_shapes(
+    expected: Mapping[str, torch.Tensor], infos: Mapping[str, TensorInfo], aliases: Mapping[str, list[str]]
+) -> None:
+    """Compare the shape of every model tensor the checkpoint fills (tied names included).
+
+    Raises:
+        ValueError: a shape differs (names each tensor and both shapes).
+    """
+    pairs = [(n, n) for n in infos if n in expected] + [(a, k) for k, names in aliases.items() for a in names]
+    bad = [
+        f"{name!r}: checkpoint {list(infos[key].shape)} vs model {list(expected[name].shape)}"
+        for name, key in sorted(pairs)
+        if tuple(expected[name].shape) != infos[key].shape
+    ]
+    if bad:
+        raise ValueError(
+            f"Shape mismatch between the checkpoint and the model for {len(bad)} tensor(s): {listed(bad)}. "
+            "Build the model from the checkpoint's config."
+        )
