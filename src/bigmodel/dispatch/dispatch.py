@@ -23,7 +23,7 @@ from ..core.tensors import (
     get_submodule_and_name,
     retie_parameters,
 )
-from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded
+from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded, tie_to_resident
 from ..hooks.align_hook import offload_hook_of
 from ..offload.storage import OffloadedWeightsLoader, PrefixedDataset, extract_submodules_state_dict
 from ..transfer.pinned import pin_tensors
@@ -74,11 +74,12 @@ def _tied_params_map(model: nn.Module) -> tuple[list[list[str]], dict[int, dict]
 def _resident_groups(model: nn.Module, tied: list[list[str]]) -> list[list[str]]:
     """The tied groups none of whose members is offloaded (those are tied again after hooking).
 
-    Groups whose members are all offloaded share one placeholder (:func:`tie_offloaded`).  A group
-    with offloaded and resident members is left as the hooks made it: the offloaded member keeps
-    its ``meta`` placeholder and loads its value at its forward, so ``a.weight is b.weight``
-    reads the same before and after the first forward (the ties come back when the hooks are
-    removed).
+    Groups whose members are all offloaded share one placeholder (:func:`tie_offloaded`).  In a
+    group with offloaded and resident members, the offloaded ones hold the resident Parameter
+    when it is on their execution device (:func:`tie_to_resident`: the group is then resident);
+    one left on another device keeps its ``meta`` placeholder and loads its value at its forward,
+    so ``a.weight is b.weight`` reads the same before and after the first forward (the ties come
+    back when the hooks are removed).
     """
     offloaded = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -211,7 +212,9 @@ def dispatch_model(
         weights_map=weights_map, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
         tied_params_map=tied_map,
     )  # fmt: skip
-    retie_parameters(model, _resident_groups(model, tie_offloaded(model, tied)))
+    mixed = tie_offloaded(model, tied)
+    tie_to_resident(model, mixed)
+    retie_parameters(model, _resident_groups(model, mixed))
     if any(offload.values()):
         kinds = sorted({d for d in map(str, device_map.values()) if d in offloaded_kinds})
         logger.info("Modules offloaded to %s run on %s.", "/".join(kinds), main)
