@@ -25,7 +25,7 @@ from ..core.tensors import (
     name_prefixes,
     retie_parameters,
 )
-from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded
+from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded, tie_to_resident
 from ..hooks.align_hook import offload_hook_of
 from ..offload.storage import (
     OffloadedWeightsLoader,
@@ -99,13 +99,15 @@ def _tied_params_map(model: nn.Module) -> tuple[list[list[str]], dict[int, dict]
 def _resident_groups(model: nn.Module, tied: list[list[str]], device_map: Mapping[str, DeviceSpec]) -> list[list[str]]:
     """The tied groups to tie again after hooking: none of their members offloaded, all on one device.
 
-    Groups whose members are all offloaded share one placeholder (:func:`tie_offloaded`).  A group
-    with offloaded and resident members is left as the hooks made it: the offloaded member keeps
-    its ``meta`` placeholder and loads its value at its forward, so ``a.weight is b.weight``
-    reads the same before and after the first forward (the ties come back when the hooks are
-    removed).  A group whose members are mapped to different devices is not tied while
-    dispatched, with a warning (as ``load_checkpoint_and_dispatch`` does when it loads one): each
-    member keeps the value on its own device, where its module runs.
+    Groups whose members are all offloaded share one placeholder (:func:`tie_offloaded`).  In a
+    group with offloaded and resident members, the offloaded ones hold the resident Parameter
+    when it is on their execution device (:func:`tie_to_resident`: the group is then resident);
+    one left on another device keeps its ``meta`` placeholder and loads its value at its forward,
+    so ``a.weight is b.weight`` reads the same before and after the first forward (the ties come
+    back when the hooks are removed).  A group whose members are mapped to different devices
+    (disk aside: its modules run on an execution device) is not tied while dispatched, with a
+    warning (as ``load_checkpoint_and_dispatch`` does when it loads one): each member keeps the
+    value on its own device, where its module runs.
     """
     offloaded = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -114,7 +116,7 @@ def _resident_groups(model: nn.Module, tied: list[list[str]], device_map: Mappin
             offloaded.update(f"{prefix}.{name}" if prefix else name for name in hook.offloaded_names)
     resident = []
     for group in tied:
-        devices = {_mapped_device(device_map, name) for name in group}
+        devices = {_mapped_device(device_map, name) for name in group} - {"disk"}
         if len(devices) > 1:
             logger.warning(
                 "Tied parameters %s were mapped to different devices %s; they are no longer tied.", group,
@@ -262,7 +264,9 @@ def dispatch_model(
         weights_map=weights_map, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
         tied_params_map=tied_map,
     )  # fmt: skip
-    retie_parameters(model, _resident_groups(model, tie_offloaded(model, tied), device_map))
+    mixed = tie_offloaded(model, tied)
+    tie_to_resident(model, mixed)
+    retie_parameters(model, _resident_groups(model, mixed, device_map))
     if any(offload.values()):
         kinds = sorted({d for d in map(str, device_map.values()) if d in offloaded_kinds})
         logger.info("Modules offloaded to %s run on %s.", "/".join(kinds), main)

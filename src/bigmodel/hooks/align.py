@@ -31,6 +31,7 @@ __all__ = [
     "attach_execution_device_hook",
     "has_offloaded_params",
     "tie_offloaded",
+    "tie_to_resident",
 ]
 
 
@@ -206,7 +207,7 @@ def _apply_block(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -
         hook = AlignDevicesHook(plan.device, io_same_device=plan.io_same_device, offload_buffers=shared.offload_buffers,
                                 place_submodules=True, skip_keys=shared.skip_keys,
                                 tied_params_map=shared.tied_params_map)
-        add_hook_to_module(module, hook)
+        add_hook_to_module(module, hook, append=True)  # a hook attached before (layerwise casting) stays
     else:
         _attach_align(
             module, plan.device, True, shared.weights_map, shared.offload_buffers, plan.name, shared.skip_keys,
@@ -272,11 +273,7 @@ def tie_offloaded(model: nn.Module, tied: Sequence[Sequence[str]]) -> list[list[
     Returns:
         The groups with a member that is not offloaded (left as they are).
     """
-    owners: dict[str, tuple[nn.Module, AlignDevicesHook, str]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        hook = offload_hook_of(module)
-        if hook is not None:
-            owners.update((f"{prefix}.{name}" if prefix else name, (module, hook, name)) for name in hook.offloaded_names)
+    owners = _offloaded_owners(model)
     rest = []
     for group in tied:
         members = [owners.get(name) for name in group]
@@ -288,6 +285,41 @@ def tie_offloaded(model: nn.Module, tied: Sequence[Sequence[str]]) -> list[list[
         for module, hook, name in members[1:]:  # type: ignore[misc]
             hook.share_placeholder(module, name, shared)
     return rest
+
+
+def tie_to_resident(model: nn.Module, tied: Sequence[Sequence[str]]) -> None:
+    """Offloaded names of a tied group that also has a member held in memory hold that member's Parameter
+    (one Parameter, as on the plain model; the value is in memory already), where it is on their
+    execution device, in their dtype; other names stay offloaded.
+
+    Args:
+        model: the hooked model.
+        tied: groups of tied parameter names (groups whose members are all offloaded excluded).
+    """
+    owners = _offloaded_owners(model)
+    for group in tied:
+        held = [name for name in group if name not in owners]
+        if not held:
+            continue
+        source = model.get_parameter(held[0])
+        if source.is_meta:
+            continue
+        for name in group:
+            if name in owners:
+                module, hook, local = owners[name]
+                placeholder = module.get_parameter(local)
+                if hook.device == source.device and placeholder.dtype == source.dtype:
+                    hook.stop_offloading(module, local, source)
+
+
+def _offloaded_owners(model: nn.Module) -> dict[str, tuple[nn.Module, AlignDevicesHook, str]]:
+    """Model-level name of every offloaded tensor → (module of its hook, the hook, name relative to it)."""
+    owners: dict[str, tuple[nn.Module, AlignDevicesHook, str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        hook = offload_hook_of(module)
+        if hook is not None:
+            owners.update((f"{prefix}.{name}" if prefix else name, (module, hook, name)) for name in hook.offloaded_names)
+    return owners
 
 
 def _set_io_same_device(module: nn.Module) -> None:

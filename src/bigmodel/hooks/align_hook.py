@@ -206,6 +206,13 @@ class AlignDevicesHook(ModelHook):
         self._slots[name].placeholder = placeholder
         _assign(module, name, placeholder)
 
+    def stop_offloading(self, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        """Hold ``tensor`` for ``name`` from now on, in memory, instead of offloading it (a tied name whose
+        Parameter another module holds on this hook's execution device: one Parameter, as on the plain model)."""
+        del self._slots[name]
+        self.original_devices.pop(name, None)
+        _assign(module, name, tensor)
+
     def unload_weights(self, module: nn.Module) -> None:
         """Put the meta placeholders back (the values' memory belongs to the weights map again)."""
         for name, slot in self._slots.items():

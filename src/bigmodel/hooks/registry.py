@@ -46,10 +46,13 @@ class ModelHook:
     """Base class of hooks run around a module's forward.
 
     Subclasses override any of the four methods.  ``no_grad = True`` runs the module's
-    forward under :func:`torch.no_grad`.
+    forward under :func:`torch.no_grad`.  ``runs_innermost = True`` keeps the hook next to the
+    forward when hooks are chained: hooks appended after it run before it (layerwise casting
+    casts up the weights an offloading hook has just put in, whichever was attached first).
     """
 
     no_grad = False
+    runs_innermost = False
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         """Called once when the hook is attached; returns the module (possibly changed)."""
@@ -98,7 +101,7 @@ class SequentialHook(ModelHook):
         return output
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
-        for hook in reversed(self.hooks):
+        for hook in self.hooks:  # in order, as pre_forward: an offloading hook puts the weights back first
             module = hook.detach_hook(module)
         return module
 
@@ -152,6 +155,12 @@ def _init(hook: ModelHook, module: nn.Module) -> nn.Module:
         return hook.init_hook(module)
 
 
+def _innermost_last(hooks: list[ModelHook]) -> list[ModelHook]:
+    """``hooks`` in order, those with ``runs_innermost`` moved to the end (in their order)."""
+    inner = [hook for hook in hooks if getattr(hook, "runs_innermost", False)]
+    return [hook for hook in hooks if hook not in inner] + inner
+
+
 def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False) -> nn.Module:
     """Attach ``hook`` to ``module``: its forward now runs through the hook.
 
@@ -159,7 +168,8 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
         module: the module to hook.
         hook: the hook.  ``hook.init_hook(module)`` runs now.
         append: if the module already has a hook, chain the new one after it in a
-            :class:`SequentialHook` instead of replacing it.
+            :class:`SequentialHook` instead of replacing it (before the hooks whose
+            ``runs_innermost`` is set, which stay next to the forward).
 
     Returns:
         The module, with ``_hf_hook`` and ``_old_forward`` set.
@@ -168,7 +178,7 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
     if "_old_forward" in module.__dict__ and existing is not None:
         if append:
             module = _init(hook, module)
-            hook = SequentialHook(*iter_hooks(existing), hook) if isinstance(existing, SequentialHook) else SequentialHook(existing, hook)
+            hook = SequentialHook(*_innermost_last([*iter_hooks(existing), hook]))
             patch_attribute(module, "_hf_hook", hook)
             return module
         # Replacing: the previous forward wrapper stays; only the hook changes.
