@@ -236,3 +236,32 @@ def test_tied_names_share_one_parameter_after_whole_model_offload(kind, tmp_path
     remove_hook_from_submodules(model)
     assert model.lm_head.weight is model.embed.weight
     assert torch.equal(model(IDS), ref)
+
+
+class _NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.up(x))
+
+
+@pytest.mark.parametrize("offload", ["cpu_offload", "disk_offload"])
+def test_cast_reaches_offloaded_buffers(offload: str, tmp_path) -> None:
+    """``.to(float64)`` replaces buffer placeholders by new tensors (parameters are cast in place): the
+    hooks load the offloaded buffers in the new dtype too (found by the differential harness)."""
+    import bigmodel
+
+    torch.manual_seed(0)
+    plain = _NormNet().eval()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    expected = copy.deepcopy(plain).double()(x)
+    if offload == "cpu_offload":
+        bigmodel.cpu_offload(plain, offload_buffers=True)
+    else:
+        bigmodel.disk_offload(plain, tmp_path, offload_buffers=True)
+    plain.to(torch.float64)
+    assert torch.equal(plain(x), expected)
+    assert plain.norm.running_mean.dtype == torch.float64

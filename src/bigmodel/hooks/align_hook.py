@@ -186,6 +186,7 @@ class AlignDevicesHook(ModelHook):
         source = self.weights_map if values is None else values
         device = self.device
         tied_map = self.tied_params_map
+        self._adopt_replaced_buffers(module)
         for name, slot, dtype, requires_grad in placeholder_states(self._slots):
             value = source[name]
             per_device = None
@@ -199,6 +200,17 @@ class AlignDevicesHook(ModelHook):
                 per_device[device] = loaded
                 self.tied_pointers_to_remove.add((value.data_ptr(), device))
             _assign(module, name, loaded)
+
+    def _adopt_replaced_buffers(self, module: nn.Module) -> None:
+        """Take as placeholder a buffer placeholder the module now holds instead of ours: ``module.to(dtype)``
+        replaces buffers by new (meta) tensors where it casts parameters in place."""
+        for name, slot in self._slots.items():
+            if slot.is_parameter:
+                continue
+            owner, _, leaf = name.rpartition(".")
+            held = (module.get_submodule(owner) if owner else module)._buffers.get(leaf)
+            if held is not None and held is not slot.placeholder and held.is_meta:
+                slot.placeholder = held
 
     def share_placeholder(self, module: nn.Module, name: str, placeholder: torch.Tensor) -> None:
         """Hold ``placeholder`` for tensor ``name`` between forwards (tied names share one, as they shared
