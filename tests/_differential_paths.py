@@ -96,15 +96,28 @@ def map_keys(model: nn.Module, no_split: tuple[str, ...], leaf: bool) -> list[st
     return keys
 
 
-def drawn_map(model: nn.Module, ctx: StepContext, granularity: str) -> dict[str, str]:
-    """A cpu/disk map at ``granularity`` ("block" or "leaf") with at least one disk entry."""
+def drawn_map(model: nn.Module, ctx: StepContext, granularity: str, keep_ties: bool = False) -> dict[str, str]:
+    """A cpu/disk map at ``granularity`` ("block" or "leaf") with at least one disk entry.
+
+    ``keep_ties``: the entries covering a tied group all take its first member's device (what
+    ``infer_auto_device_map`` does; the loader unties a group split between memory and disk).
+    """
     keys = map_keys(model, ctx.case.no_split, leaf=granularity == "leaf")
     on_disk = ctx.choices.flags(f"disk[{granularity}]", len(keys))
     if not any(on_disk):
         on_disk[-1] = True
     device_map = {k: "disk" if d else "cpu" for k, d in zip(keys, on_disk)}
+    for group in bigmodel.find_tied_parameters(model) if keep_ties else ():
+        owners = [_covering_key(name, device_map) for name in group]
+        for key in owners[1:]:
+            device_map[key] = device_map[owners[0]]
     ctx.choices.log["device_map"] = device_map
     return device_map
+
+
+def _covering_key(name: str, device_map: dict[str, str]) -> str:
+    parts = name.split(".")
+    return next(".".join(parts[:i]) for i in range(len(parts), -1, -1) if ".".join(parts[:i]) in device_map)
 
 
 # --- steps -------------------------------------------------------------------------------------
@@ -181,7 +194,7 @@ def _load(dtype: torch.dtype | None) -> Step:
         path = checkpoint(model, ctx)
         with bigmodel.init_empty_weights():
             empty = ctx.case.build()
-        device_map = drawn_map(empty, ctx, params["granularity"])
+        device_map = drawn_map(empty, ctx, params["granularity"], keep_ties=True)
         return bigmodel.load_checkpoint_and_dispatch(
             empty, path, device_map=device_map, offload_folder=ctx.folder("load"), dtype=dtype,
             offload_buffers=params["offload_buffers"],
