@@ -33,9 +33,10 @@ from ..checkpoints.files import (
     read_tensor_infos,
     resolve_checkpoint_files,
 )
+from ..checkpoints.gguf import GGUFCheckpoint, is_gguf
 from ..core.devices import DeviceSpec, normalize_device, torch_device
 from ..core.progress import ByteProgress
-from ..core.sizes import to_dtype
+from ..core.sizes import floating_dtype
 from ..core.tensors import (
     device_of,
     find_tied_parameters,
@@ -43,6 +44,8 @@ from ..core.tensors import (
     retie_parameters,
     set_module_tensor_to_device,
 )
+from ..offload.quantized import check_form, quantizable_names
+from ..offload.quantized_store import QuantizedFolderWrites
 from ..offload.storage import OffloadWriter, dat_path, load_offloaded_weight
 from .conversion import KeyConversion, TensorRouter, convert_infos
 from .key_checks import check_shapes, listed, report_keys
@@ -67,6 +70,8 @@ class _Plan:
     loaded: dict[Path, dict[str, torch.Tensor]] = field(default_factory=dict)  # mapped pickles, read once
     router: TensorRouter = field(default_factory=lambda: TensorRouter(None))  # checkpoint key → model names
     read_bytes: int = 0  # bytes of the checkpoint tensors read
+    source: GGUFCheckpoint | None = None  # its own names, infos and dequantized tensors
+    quantized: QuantizedFolderWrites | None = None  # disk weights stored quantized
 
 
 def load_checkpoint_in_model(
@@ -82,13 +87,15 @@ def load_checkpoint_in_model(
     strict: bool = False,
     full_state_dict: bool = True,
     broadcast_from_rank0: bool = False,
+    offload_quantization: str | None = None,
 ) -> None:
     """Load a checkpoint into ``model``, each tensor straight onto the device the map gives it.
 
     Args:
         model: the model, usually built under :func:`bigmodel.init_empty_weights`.
-        checkpoint: a weights file, a sharded checkpoint's ``*.index.json``, or a folder
-            holding one of them.
+        checkpoint: a weights file, a sharded checkpoint's ``*.index.json``, a folder holding one
+            of them, or a ``.gguf`` file (``model`` must then be a transformers model; see
+            :class:`bigmodel.checkpoints.gguf.GGUFCheckpoint`).
         device_map: module/tensor name → device (``"disk"`` → ``offload_folder``).  Without a
             map, each tensor goes to the device of the model's tensor (CPU for ``meta``).
             Tensors placed in memory take the model's floating dtype (or ``dtype``); tensors
@@ -107,6 +114,8 @@ def load_checkpoint_in_model(
         strict: raise on missing or unexpected keys instead of logging them.
         full_state_dict: with ``broadcast_from_rank0``, gather loaded values (else keep them sharded).
         broadcast_from_rank0: read on rank 0 and broadcast to the other ranks.
+        offload_quantization: ``"int8"``, ``"int4"`` or ``"float8"``: store the ``nn.Linear`` weights
+            mapped to ``"disk"`` so, reusing the folder's entries made from the same bytes in that form.
 
     Raises:
         FileNotFoundError: the checkpoint or one of its shards is missing.
@@ -125,15 +134,15 @@ def load_checkpoint_in_model(
     if offload_8bit_bnb:
         logger.debug("offload_8bit_bnb: bitsandbytes weights are offloaded as stored.")
     _load(
-        model, resolve_checkpoint_files(checkpoint), None, device_map, offload_folder, _floating_dtype(dtype),
-        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict,
+        model, checkpoint, None, device_map, offload_folder, floating_dtype(dtype), offload_state_dict,
+        offload_buffers, keep_in_fp32_modules or (), strict, check_form(offload_quantization),
     )  # fmt: skip
 
 
 def load_converted_checkpoint(
     model: nn.Module,
     checkpoint: str | os.PathLike,
-    conversion: KeyConversion,
+    conversion: KeyConversion | None,
     *,
     device_map: Mapping[str, DeviceSpec] | None = None,
     offload_folder: str | os.PathLike | None = None,
@@ -142,6 +151,7 @@ def load_converted_checkpoint(
     offload_buffers: bool = False,
     keep_in_fp32_modules: Sequence[str] | None = None,
     strict: bool = False,
+    offload_quantization: str | None = None,
 ) -> None:
     """:func:`load_checkpoint_in_model` for a checkpoint whose keys are not the model's names.
 
@@ -154,7 +164,8 @@ def load_converted_checkpoint(
         checkpoint: a weights file, a sharded checkpoint's ``*.index.json``, or a folder holding one.
         conversion: checkpoint key → model name, and the recipes that build fused tensors.
         device_map, offload_folder, dtype, offload_state_dict, offload_buffers, keep_in_fp32_modules,
-            strict: as in :func:`load_checkpoint_in_model`; key checks use the model's names.
+            strict, offload_quantization: as in :func:`load_checkpoint_in_model`; key checks use the
+            model's names.
 
     Raises:
         FileNotFoundError: the checkpoint or one of its shards is missing.
@@ -163,14 +174,14 @@ def load_converted_checkpoint(
         PermissionError: the offload folder is not writable.
     """
     _load(
-        model, resolve_checkpoint_files(checkpoint), conversion, device_map, offload_folder, _floating_dtype(dtype),
-        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict,
+        model, checkpoint, conversion, device_map, offload_folder, floating_dtype(dtype), offload_state_dict,
+        offload_buffers, keep_in_fp32_modules or (), strict, check_form(offload_quantization),
     )  # fmt: skip
 
 
 def _load(
     model: nn.Module,
-    files: list[Path],
+    checkpoint: str | os.PathLike,
     conversion: KeyConversion | None,
     device_map: Mapping[str, DeviceSpec] | None,
     offload_folder: str | os.PathLike | None,
@@ -179,9 +190,14 @@ def _load(
     offload_buffers: bool,
     fp32: Sequence[str],
     strict: bool,
+    form: str | None,
 ) -> None:
-    plan = _make_plan(model, files, conversion, device_map, dtype, fp32, strict, offload_buffers)
+    source = GGUFCheckpoint(checkpoint, model) if is_gguf(checkpoint) else None
+    files = [source.path] if source is not None else resolve_checkpoint_files(checkpoint)
+    plan = _make_plan(model, files, conversion, device_map, dtype, fp32, strict, offload_buffers, source)
     writer = _disk_writer(plan, offload_folder, files)
+    if writer is not None and form is not None:
+        plan.quantized = QuantizedFolderWrites(writer, quantizable_names(model, form), form)
     spill = OffloadWriter(tempfile.mkdtemp(prefix="bigmodel-spill-")) if offload_state_dict else None
     try:
         _stream(model, files, plan, writer, spill)
@@ -203,15 +219,6 @@ def _load(
 # ---------------------------------------------------------------- planning (nothing modified)
 
 
-def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    resolved = to_dtype(dtype)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"dtype={dtype!r} is not a floating torch dtype; pass e.g. torch.float16 or 'bfloat16'.")
-    return resolved
-
-
 def _make_plan(
     model: nn.Module,
     files: list[Path],
@@ -221,16 +228,17 @@ def _make_plan(
     keep_in_fp32: Sequence[str],
     strict: bool,
     offload_buffers: bool,
+    source: GGUFCheckpoint | None = None,
 ) -> _Plan:
     loaded: dict[Path, dict[str, torch.Tensor]] = {}
-    stored = read_tensor_infos(files, keep_loaded=loaded)
+    stored = source.infos() if source is not None else read_tensor_infos(files, keep_loaded=loaded)
     converted = convert_infos(stored, conversion)
     infos = converted.infos
     expected = model.state_dict(keep_vars=True)
     buffers = {name for name, _ in model.named_buffers()}
     plan = _Plan(
         infos=infos, targets={}, tied_groups=find_tied_parameters(model), loaded=loaded,
-        router=TensorRouter(conversion, converted.shadowed),
+        router=TensorRouter(conversion, converted.shadowed), source=source,
         read_bytes=sum(i.dtype.itemsize * torch.Size(i.shape).numel() for i in stored.values()),
     )  # fmt: skip
     for group in plan.tied_groups:
@@ -313,7 +321,8 @@ def _stream(
 ) -> None:
     """Read the checkpoint tensor by tensor and send each to its device, the offload folder or the spill."""
     with ByteProgress(plan.read_bytes, "Loading checkpoint") as bar:
-        for key, stored in iter_checkpoint_tensors(files, plan.loaded):
+        tensors = plan.source.tensors() if plan.source is not None else iter_checkpoint_tensors(files, plan.loaded)
+        for key, stored in tensors:
             for model_name, tensor, source_key in plan.router.route(key, stored):
                 _place(model, model_name, tensor, source_key, plan, writer, spill)
             bar.update(stored.nbytes)
@@ -337,7 +346,9 @@ def _place(
         target = plan.targets.get(name)
         if target is None:
             continue
-        if target.device == "disk":
+        if target.device == "disk" and plan.quantized is not None and name in plan.quantized:
+            plan.quantized.write(name, tensor.to(target.dtype))
+        elif target.device == "disk":
             _to_folder(writer, name, source_key, tensor, plan.infos[model_name], target, first)
             first = first or name
         elif spill is not None and tensor.dtype != target.dtype and target.device.type == "cpu":
