@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,7 +147,9 @@ def check_against_in_memory(
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     dispatched = forward_logits(model, ids)
     with quiet_transformers(transformers):
-        reference_model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+        where = {"gguf_file": Path(folder).name} if str(folder).endswith(".gguf") else {}
+        source = str(Path(folder).parent) if where else str(folder)
+        reference_model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **where).eval()
     reference = forward_logits(reference_model, ids)
     del reference_model
     gc.collect()
