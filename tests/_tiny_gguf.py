@@ -43,8 +43,10 @@ def tiny_llama(tie: bool = False, layers: int = 4):
 
 def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """The row permutation llama.cpp's converter applies to q/k projections (transformers undoes it)."""
-    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
-        weights.shape
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
     )
 
 

@@ -48,7 +48,9 @@ def _require_gguf() -> Any:
     try:
         import gguf
     except ImportError as error:
-        raise ImportError("Reading GGUF files needs the gguf package; run `pip install bigmodel[hf]`.") from error
+        raise ImportError(
+            "Reading GGUF files needs the gguf package; run `pip install bigmodel[hf]`."
+        ) from error
     return gguf
 
 
@@ -56,7 +58,7 @@ def _dequantizable(gguf: Any, qtype: Any) -> bool:
     """True if gguf's ``dequantize`` handles ``qtype`` (or it is a plain integer type)."""
     if qtype.name in _INTEGER_TYPES:
         return True
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
     try:
         gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
     except (NotImplementedError, ValueError, KeyError):
@@ -75,13 +77,17 @@ def open_reader(path: str | os.PathLike) -> Any:
     gguf = _require_gguf()
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist; pass the path of a .gguf file.")
+        raise FileNotFoundError(
+            f"GGUF file {str(path)!r} does not exist; pass the path of a .gguf file."
+        )
     supported: dict[int, bool] = {}
 
     class CheckedReader(gguf.GGUFReader):
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             for field in fields:
-                _check_tensor_field(gguf, path, len(self.data), start_offs, field, supported)
+                _check_tensor_field(
+                    gguf, path, len(self.data), start_offs, field, supported
+                )
             super()._build_tensors(start_offs, fields)
 
     try:
@@ -95,7 +101,12 @@ def open_reader(path: str | os.PathLike) -> Any:
 
 
 def _check_tensor_field(
-    gguf: Any, path: Path, file_size: int, start: int, field: Any, supported: dict[int, bool]
+    gguf: Any,
+    path: Path,
+    file_size: int,
+    start: int,
+    field: Any,
+    supported: dict[int, bool],
 ) -> None:
     """Raise ValueError naming the tensor if its type is unknown/unreadable or its bytes pass the file's end."""
     _, name_data, _, dims, raw_type, offset = field.parts
@@ -150,7 +161,11 @@ class GGUFCheckpoint:
             hf_name = self._names.get(tensor.name)
             if hf_name is None:
                 if tensor.name.startswith(COMPUTED_PREFIXES):
-                    logger.debug("%s: skipping %r (computed from the config by transformers).", self.path, tensor.name)
+                    logger.debug(
+                        "%s: skipping %r (computed from the config by transformers).",
+                        self.path,
+                        tensor.name,
+                    )
                 else:
                     unmatched.append(tensor.name)
                 continue
@@ -162,7 +177,9 @@ class GGUFCheckpoint:
                 "build the model from the file's own config (transformers.AutoConfig.from_pretrained(folder, "
                 "gguf_file=name)) or load a GGUF file made for this model."
             )
-        self._shapes = {n: tuple(expected[n].shape) for n in self._entries if n in expected}
+        self._shapes = {
+            n: tuple(expected[n].shape) for n in self._entries if n in expected
+        }
 
     def infos(self) -> dict[str, TensorInfo]:
         """Model name → :class:`TensorInfo` (float32, or the integer type, and the shape once dequantized)."""
@@ -170,7 +187,11 @@ class GGUFCheckpoint:
         for hf_name, (_, tensor) in self._entries.items():
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
             model_shape = self._shapes.get(hf_name)
-            if model_shape is not None and model_shape != shape and np.prod(model_shape) == np.prod(shape):
+            if (
+                model_shape is not None
+                and model_shape != shape
+                and np.prod(model_shape) == np.prod(shape)
+            ):
                 shape = model_shape  # a processor that reshapes (e.g. transposes) the tensor
             infos[hf_name] = TensorInfo(hf_name, _torch_dtype(tensor), shape, self.path)
         return infos
@@ -178,7 +199,12 @@ class GGUFCheckpoint:
     def source_of(self, name: str) -> tuple[str, str, int, int]:
         """``(GGUF name, quantization type name, byte offset, byte count)`` of the model tensor ``name``."""
         gguf_name, tensor = self._entries[name]
-        return gguf_name, tensor.tensor_type.name, int(tensor.data_offset), int(tensor.n_bytes)
+        return (
+            gguf_name,
+            tensor.tensor_type.name,
+            int(tensor.data_offset),
+            int(tensor.n_bytes),
+        )
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(model name, tensor)`` in file order, each dequantized into its own CPU buffer.
@@ -190,7 +216,10 @@ class GGUFCheckpoint:
         for hf_name, (gguf_name, tensor) in self._entries.items():
             array = dequantize_tensor(tensor)
             result = self._processor.process(
-                weights=array, name=gguf_name, tensor_key_mapping=self._names, parsed_parameters={"tensors": {}}
+                weights=array,
+                name=gguf_name,
+                tensor_key_mapping=self._names,
+                parsed_parameters={"tensors": {}},
             )
             mapped = self._names.get(result.name)
             value = torch.from_numpy(np.ascontiguousarray(result.weights))
@@ -217,20 +246,32 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     out = np.empty(shape, dtype=np.float32)
     if out.size == 0:
         return out
-    data = tensor.data.reshape(-1, tensor.data.shape[-1]) if tensor.data.ndim > 1 else tensor.data.reshape(1, -1)
+    data = (
+        tensor.data.reshape(-1, tensor.data.shape[-1])
+        if tensor.data.ndim > 1
+        else tensor.data.reshape(1, -1)
+    )
     flat = out.reshape(data.shape[0], -1)
     rows = max(1, _CHUNK_BYTES // max(1, flat.shape[1] * 4))
     for start in range(0, data.shape[0], rows):
-        flat[start : start + rows] = gguf.quants.dequantize(np.asarray(data[start : start + rows]), qtype)
+        flat[start : start + rows] = gguf.quants.dequantize(
+            np.asarray(data[start : start + rows]), qtype
+        )
     return out
 
 
 def _torch_dtype(tensor: Any) -> torch.dtype:
     name = tensor.tensor_type.name
-    return getattr(torch, np.dtype(_INTEGER_TYPES[name]).name) if name in _INTEGER_TYPES else torch.float32
+    return (
+        getattr(torch, np.dtype(_INTEGER_TYPES[name]).name)
+        if name in _INTEGER_TYPES
+        else torch.float32
+    )
 
 
-def _name_map(path: Path, architecture: str, model: nn.Module) -> tuple[Any, dict[str, str]]:
+def _name_map(
+    path: Path, architecture: str, model: nn.Module
+) -> tuple[Any, dict[str, str]]:
     """transformers' tensor processor for the architecture and its GGUF → model name map."""
     try:
         from transformers.modeling_gguf_pytorch_utils import (
@@ -239,14 +280,18 @@ def _name_map(path: Path, architecture: str, model: nn.Module) -> tuple[Any, dic
             get_gguf_hf_weights_map,
         )
     except ImportError as error:
-        raise ImportError("Loading GGUF files needs transformers; run `pip install bigmodel[hf]`.") from error
+        raise ImportError(
+            "Loading GGUF files needs transformers; run `pip install bigmodel[hf]`."
+        ) from error
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(
             f"GGUF file {str(path)!r}: {type(model).__name__} is not a transformers model (no .config); GGUF names "
             "are mapped through transformers, so build the model with transformers."
         )
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
+        config=config.to_dict()
+    )
     try:
         names = get_gguf_hf_weights_map(model, processor)
     except NotImplementedError as error:
@@ -268,7 +313,9 @@ def config_from_gguf(path: str | os.PathLike) -> Any:
 
     path = Path(path)
     try:
-        return transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        return transformers.AutoConfig.from_pretrained(
+            str(path.parent), gguf_file=path.name
+        )
     except (ValueError, KeyError, OSError) as error:
         raise ValueError(
             f"Cannot read a transformers config from GGUF file {str(path)!r} ({error}); "
@@ -286,9 +333,10 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> Any:
 
     path = Path(path)
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name
+        )
     except (ValueError, KeyError, OSError) as error:
         raise ValueError(
             f"Cannot rebuild a tokenizer from GGUF file {str(path)!r} ({error}); pass a model folder with one."
         ) from error
-

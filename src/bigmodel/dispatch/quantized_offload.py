@@ -29,7 +29,9 @@ def split_for_quantization(
     if form is None:
         return dict(state), {}
     names = quantizable_names(model, form)
-    return {k: v for k, v in state.items() if k not in names}, {k: v for k, v in state.items() if k in names}
+    return {k: v for k, v in state.items() if k not in names}, {
+        k: v for k, v in state.items() if k in names
+    }
 
 
 def quantize_in_ram(
@@ -37,14 +39,19 @@ def quantize_in_ram(
 ) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     """``(full-precision rest, quantized weights on CPU)`` for the CPU-offloaded values ``state``."""
     rest, chosen = split_for_quantization(model, state, form)
-    in_ram = {name: quantize(value.detach().to("cpu"), form) for name, value in chosen.items()}  # type: ignore[arg-type]
+    in_ram = {
+        name: quantize(value.detach().to("cpu"), form) for name, value in chosen.items()
+    }  # type: ignore[arg-type]
     if in_ram:
         logger.info("Offloaded weights: %d stored as %s in RAM.", len(in_ram), form)
     return rest, in_ram
 
 
 def store_on_disk(
-    model: nn.Module, folder: str | os.PathLike, state: Mapping[str, torch.Tensor], form: str | None
+    model: nn.Module,
+    folder: str | os.PathLike,
+    state: Mapping[str, torch.Tensor],
+    form: str | None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Quantize the chosen weights of ``state`` into ``folder`` (reusing matching entries).
 
@@ -67,4 +74,6 @@ def wrap_weights_map(
     """``weights_map`` as the hooks should read it: unchanged without ``form``, else serving stored forms."""
     if form is None or weights_map is None:
         return weights_map
-    return QuantizedWeightsMap(weights_map, in_ram=in_ram, folder=folder, folder_names=folder_names)
+    return QuantizedWeightsMap(
+        weights_map, in_ram=in_ram, folder=folder, folder_names=folder_names
+    )

@@ -42,7 +42,9 @@ def check_form(form: str | None) -> str | None:
     """
     if form is None or form in FORMS:
         return form
-    raise ValueError(f"offload_quantization={form!r} is not a storage form; use one of {', '.join(FORMS)} or None.")
+    raise ValueError(
+        f"offload_quantization={form!r} is not a storage form; use one of {', '.join(FORMS)} or None."
+    )
 
 
 def _torchao() -> Any:
@@ -101,13 +103,20 @@ class QuantizedWeight:
 
     def to(self, device: Any, non_blocking: bool = False) -> QuantizedWeight:
         """The same stored form on ``device`` (the packed bytes move, nothing is dequantized)."""
-        moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.parts().items()}
-        return replace(self, data=moved["data"], scale=moved["scale"], zero=moved.get("zero"))
+        moved = {
+            k: v.to(device, non_blocking=non_blocking) for k, v in self.parts().items()
+        }
+        return replace(
+            self, data=moved["data"], scale=moved["scale"], zero=moved.get("zero")
+        )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight on this object's device, in ``dtype`` (its own dtype when None)."""
         dtype = dtype or self.dtype
-        if self.form in ("float8", "int8"):  # symmetric: what dequantize_affine computes with a zero point of 0
+        if self.form in (
+            "float8",
+            "int8",
+        ):  # symmetric: what dequantize_affine computes with a zero point of 0
             return (self.data.to(torch.float32) * self.scale).to(dtype)
         rows, cols = self.shape
         low, high = self.data & 0x0F, self.data >> 4
@@ -132,34 +141,62 @@ def quantize(weight: torch.Tensor, form: str) -> QuantizedWeight:
     """
     check_form(form)
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"Only 2-D floating weights are quantized, not {weight.dtype} {list(weight.shape)}.")
+        raise ValueError(
+            f"Only 2-D floating weights are quantized, not {weight.dtype} {list(weight.shape)}."
+        )
     rows, cols = weight.shape
     source = weight.detach().to(torch.float32)
     if form == "float8":
         if _FLOAT8 is None:
-            raise ValueError("This torch has no float8_e4m3fn; use offload_quantization='int8'.")
-        scale = (source.abs().amax(dim=1, keepdim=True) / torch.finfo(_FLOAT8).max).clamp(min=1e-12)
-        return QuantizedWeight(form, (source / scale).to(_FLOAT8), scale, None, (rows, cols), weight.dtype, cols)
+            raise ValueError(
+                "This torch has no float8_e4m3fn; use offload_quantization='int8'."
+            )
+        scale = (
+            source.abs().amax(dim=1, keepdim=True) / torch.finfo(_FLOAT8).max
+        ).clamp(min=1e-12)
+        return QuantizedWeight(
+            form,
+            (source / scale).to(_FLOAT8),
+            scale,
+            None,
+            (rows, cols),
+            weight.dtype,
+            cols,
+        )
     ao = _torchao()
     if form == "int8":
         block = (1, cols)
-        scale, zero = ao.choose_qparams_affine(source, ao.MappingType.SYMMETRIC, block, torch.int8, eps=1e-12)
+        scale, zero = ao.choose_qparams_affine(
+            source, ao.MappingType.SYMMETRIC, block, torch.int8, eps=1e-12
+        )
         data = ao.quantize_affine(source, block, scale, zero, torch.int8)
-        return QuantizedWeight(form, data, scale.reshape(rows, 1), None, (rows, cols), weight.dtype, cols)
+        return QuantizedWeight(
+            form, data, scale.reshape(rows, 1), None, (rows, cols), weight.dtype, cols
+        )
     group = int4_group_size(cols)
     if group is None:
-        raise ValueError(f"int4 needs the weight's columns ({cols}) to be a multiple of 32.")
+        raise ValueError(
+            f"int4 needs the weight's columns ({cols}) to be a multiple of 32."
+        )
     block = (1, group)
     scale, zero = ao.choose_qparams_affine(
         source, ao.MappingType.ASYMMETRIC, block, torch.uint8, quant_min=0, quant_max=15, eps=1e-12,
         scale_dtype=torch.float16, zero_point_dtype=torch.uint8,
     )  # fmt: skip
-    values = ao.quantize_affine(source, block, scale.to(torch.float32), zero.to(torch.int32), torch.uint8, 0, 15)
+    values = ao.quantize_affine(
+        source, block, scale.to(torch.float32), zero.to(torch.int32), torch.uint8, 0, 15
+    )
     packed = values.reshape(rows, cols // 2, 2)
     data = (packed[..., 0] | (packed[..., 1] << 4)).contiguous()
     groups = cols // group
     return QuantizedWeight(
-        form, data, scale.reshape(rows, groups), zero.reshape(rows, groups), (rows, cols), weight.dtype, group
+        form,
+        data,
+        scale.reshape(rows, groups),
+        zero.reshape(rows, groups),
+        (rows, cols),
+        weight.dtype,
+        group,
     )
 
 
@@ -172,11 +209,15 @@ def quantizable_names(model: nn.Module, form: str) -> set[str]:
     tied = _tied_names(model)
     names = set()
     for prefix, module in model.named_modules():
-        weight = module._parameters.get("weight") if isinstance(module, nn.Linear) else None
+        weight = (
+            module._parameters.get("weight") if isinstance(module, nn.Linear) else None
+        )
         if weight is None or weight.dim() != 2 or not weight.is_floating_point():
             continue
         name = f"{prefix}.weight" if prefix else "weight"
-        if name in tied or (form == "int4" and int4_group_size(weight.shape[1]) is None):
+        if name in tied or (
+            form == "int4" and int4_group_size(weight.shape[1]) is None
+        ):
             continue
         names.add(name)
     return names

@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from .format import dat_path, dtype_name, load_offload_index, load_offloaded_weight, parse_dtype
+from .format import (
+    dat_path,
+    dtype_name,
+    load_offload_index,
+    load_offloaded_weight,
+    parse_dtype,
+)
 from .quantized import QuantizedWeight, quantize, source_digest
 from .storage import OffloadWriter
 
@@ -41,16 +47,25 @@ def part_name(name: str, part: str) -> str:
 
 def quantized_entry(weight: torch.Tensor, stored: QuantizedWeight, digest: str) -> dict:
     """The ``index.json`` entry describing ``stored`` (made from ``weight``, whose bytes have ``digest``)."""
-    parts = {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)} for k, v in stored.parts().items()}
+    parts = {
+        k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
+        for k, v in stored.parts().items()
+    }
     return {
         "dtype": dtype_name(weight.dtype),
         "shape": list(weight.shape),
-        "quantization": {"form": stored.form, "group_size": stored.group_size, "parts": parts},
+        "quantization": {
+            "form": stored.form,
+            "group_size": stored.group_size,
+            "parts": parts,
+        },
         "source": {"blake2b": digest},
     }
 
 
-def write_quantized(writer: OffloadWriter, name: str, weight: torch.Tensor, form: str) -> None:
+def write_quantized(
+    writer: OffloadWriter, name: str, weight: torch.Tensor, form: str
+) -> None:
     """Quantize ``weight`` and stage its parts and entry in ``writer`` (committed with the rest)."""
     stored = quantize(weight, form)
     for part, tensor in stored.parts().items():
@@ -64,7 +79,13 @@ def is_quantized_entry(entry: Mapping[str, Any] | None) -> bool:
     return isinstance(entry, Mapping) and isinstance(entry.get("quantization"), Mapping)
 
 
-def entry_reusable(folder: Path, name: str, entry: Mapping[str, Any] | None, form: str, weight: torch.Tensor) -> bool:
+def entry_reusable(
+    folder: Path,
+    name: str,
+    entry: Mapping[str, Any] | None,
+    form: str,
+    weight: torch.Tensor,
+) -> bool:
     """True if ``entry`` holds ``weight`` stored as ``form``, its files present with the right sizes.
 
     A tensor on ``meta`` (no bytes to compare) needs the same form and shape (the hook casts to
@@ -78,10 +99,14 @@ def entry_reusable(folder: Path, name: str, entry: Mapping[str, Any] | None, for
         return False
     for part, info in entry["quantization"].get("parts", {}).items():
         path = dat_path(folder, part_name(name, part))
-        need = parse_dtype(info["dtype"], f"offload entry {name!r}").itemsize * int(torch.Size(info["shape"]).numel())
+        need = parse_dtype(info["dtype"], f"offload entry {name!r}").itemsize * int(
+            torch.Size(info["shape"]).numel()
+        )
         if not path.is_file() or path.stat().st_size != need:
             return False
-    return weight.device.type == "meta" or entry.get("source", {}).get("blake2b") == source_digest(weight)
+    return weight.device.type == "meta" or entry.get("source", {}).get(
+        "blake2b"
+    ) == source_digest(weight)
 
 
 class QuantizedFolderWrites:
@@ -109,7 +134,9 @@ class QuantizedFolderWrites:
             write_quantized(self.writer, name, weight, self.form)
 
 
-def read_quantized(folder: str | os.PathLike, name: str, entry: Mapping[str, Any]) -> QuantizedWeight:
+def read_quantized(
+    folder: str | os.PathLike, name: str, entry: Mapping[str, Any]
+) -> QuantizedWeight:
     """The stored form of ``name`` as memory-mapped CPU tensors.
 
     Raises:
@@ -127,7 +154,9 @@ def read_quantized(folder: str | os.PathLike, name: str, entry: Mapping[str, Any
     )  # fmt: skip
 
 
-def ensure_quantized(folder: str | os.PathLike, state: Mapping[str, torch.Tensor], form: str) -> None:
+def ensure_quantized(
+    folder: str | os.PathLike, state: Mapping[str, torch.Tensor], form: str
+) -> None:
     """Make ``folder`` hold every tensor of ``state`` stored as ``form``, reusing entries that match.
 
     Raises:
@@ -135,7 +164,11 @@ def ensure_quantized(folder: str | os.PathLike, state: Mapping[str, torch.Tensor
     """
     folder = Path(folder)
     index = load_offload_index(folder) if folder.is_dir() else {}
-    todo = [n for n, t in state.items() if not entry_reusable(folder, n, index.get(n), form, t)]
+    todo = [
+        n
+        for n, t in state.items()
+        if not entry_reusable(folder, n, index.get(n), form, t)
+    ]
     meta = [n for n in todo if state[n].device.type == "meta"]
     if meta:
         raise ValueError(
@@ -144,7 +177,9 @@ def ensure_quantized(folder: str | os.PathLike, state: Mapping[str, torch.Tensor
         )
     if not todo:
         return
-    logger.info("Offload folder %s: quantizing %d tensor(s) to %s.", folder, len(todo), form)
+    logger.info(
+        "Offload folder %s: quantizing %d tensor(s) to %s.", folder, len(todo), form
+    )
     writer = OffloadWriter(folder)
     try:
         for name in todo:
@@ -181,7 +216,9 @@ class QuantizedWeightsMap(Mapping):
         self.folder = None if folder is None else Path(folder)
         index = load_offload_index(self.folder) if self.folder is not None else {}
         wanted = set(folder_names) - set(self.in_ram)
-        self.on_disk = {n: e for n, e in index.items() if n in wanted and is_quantized_entry(e)}
+        self.on_disk = {
+            n: e for n, e in index.items() if n in wanted and is_quantized_entry(e)
+        }
         self._read: dict[str, QuantizedWeight] = {}
         self.overrides: dict[str, torch.Tensor] = {}
 
@@ -195,7 +232,9 @@ class QuantizedWeightsMap(Mapping):
             return None
         stored = self._read.get(key)
         if stored is None:
-            stored = self._read[key] = read_quantized(self.folder, key, self.on_disk[key])  # type: ignore[arg-type]
+            stored = self._read[key] = read_quantized(
+                self.folder, key, self.on_disk[key]
+            )  # type: ignore[arg-type]
         return stored
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -209,7 +248,12 @@ class QuantizedWeightsMap(Mapping):
         self.overrides[key] = value
 
     def __contains__(self, key: object) -> bool:
-        return key in self.overrides or key in self.in_ram or key in self.on_disk or key in self.base
+        return (
+            key in self.overrides
+            or key in self.in_ram
+            or key in self.on_disk
+            or key in self.base
+        )
 
     def __iter__(self) -> Iterator[str]:
         seen = set()
@@ -231,7 +275,9 @@ def _stored_form(weights_map: Mapping[str, Any], name: str) -> QuantizedWeight |
     return dataset.packed(key) if isinstance(dataset, QuantizedWeightsMap) else None
 
 
-def read_offloaded(weights_map: Mapping[str, Any], names: Iterable[str]) -> dict[str, torch.Tensor]:
+def read_offloaded(
+    weights_map: Mapping[str, Any], names: Iterable[str]
+) -> dict[str, torch.Tensor]:
     """The values of ``names`` as the hooks move them: a quantized weight as its stored parts.
 
     A weight stored quantized comes as ``<name>@data``, ``<name>@scale`` (and ``<name>@zero``)
@@ -244,19 +290,30 @@ def read_offloaded(weights_map: Mapping[str, Any], names: Iterable[str]) -> dict
         if stored is None:
             values[name] = weights_map[name]
         else:
-            values.update({f"{name}@{part}": tensor for part, tensor in stored.parts().items()})
+            values.update(
+                {f"{name}@{part}": tensor for part, tensor in stored.parts().items()}
+            )
     return values
 
 
 def take_dequantized(
-    weights_map: Mapping[str, Any], values: Mapping[str, torch.Tensor], name: str, device: Any
+    weights_map: Mapping[str, Any],
+    values: Mapping[str, torch.Tensor],
+    name: str,
+    device: Any,
 ) -> torch.Tensor | None:
     """Rebuild ``name`` from its parts in ``values``, move them to ``device`` and dequantize there (None: not quantized)."""
     if f"{name}@data" not in values:
         return None
     stored = _stored_form(weights_map, name)
     if stored is None:
-        raise KeyError(f"{name!r} comes as quantized parts but its weights map has no stored form for it.")
+        raise KeyError(
+            f"{name!r} comes as quantized parts but its weights map has no stored form for it."
+        )
     parts = {part: values[f"{name}@{part}"] for part in stored.parts()}
-    moved = replace(stored, data=parts["data"], scale=parts["scale"], zero=parts.get("zero"))
-    return moved.to(device, non_blocking=getattr(device, "type", "cpu") != "cpu").dequantize()
+    moved = replace(
+        stored, data=parts["data"], scale=parts["scale"], zero=parts.get("zero")
+    )
+    return moved.to(
+        device, non_blocking=getattr(device, "type", "cpu") != "cpu"
+    ).dequantize()
