@@ -56,19 +56,14 @@ def test_gguf_with_half_the_layers_offloaded_matches_the_safetensors_conversion(
 
     from bigmodel import load_checkpoint_and_dispatch, load_pretrained
 
-    # the reference: transformers' dequantization of the same file, saved as safetensors
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
-    )
-    config = transformers.AutoConfig.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
-    )
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
-    reference.save_pretrained(str(tmp_path / "converted"))
+    from bigmodel.cli.embedded import convert_gguf
+
+    # the reference: the one-time dequantized safetensors conversion (transformers' GGUF reader)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    config = transformers.AutoConfig.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    (tmp_path / "converted").mkdir()
+    convert_gguf(smollm2_gguf, tmp_path / "converted")
     converted = load_pretrained(tmp_path / "converted", device_map={"": "cpu"})
-    del reference
 
     from bigmodel import init_empty_weights
 
