@@ -55,7 +55,6 @@ def test_gguf_with_half_the_layers_offloaded_matches_the_safetensors_conversion(
     import transformers
 
     from bigmodel import load_checkpoint_and_dispatch, load_pretrained
-
     from bigmodel.cli.embedded import convert_gguf
 
     # the reference: the one-time dequantized safetensors conversion (transformers' GGUF reader)
