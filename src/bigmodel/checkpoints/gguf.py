@@ -5,8 +5,9 @@ names (``blk.3.attn_q.weight``), most of them quantized in blocks (``Q4_1``, ``Q
 ...).  :class:`GGUFCheckpoint` opens one for a given transformers model:
 
 - the file is read with the ``gguf`` package's ``GGUFReader`` (a memory map: nothing is read
-  until a tensor is), after checking every tensor's quantization type and byte range, so a
-  corrupted file is refused before anything is loaded, with the tensor named;
+  until a tensor is), once per process, long metadata arrays (the vocabulary) stepped over,
+  after checking every tensor's quantization type and byte range, so a corrupted file is
+  refused before anything is loaded, with the tensor named;
 - names are mapped with transformers' GGUF integration (``get_gguf_hf_weights_map`` and the
   architecture's tensor processor, which also undoes llama.cpp's query/key row permutation);
 - :meth:`GGUFCheckpoint.tensors` dequantizes one tensor at a time, in row chunks, into one
@@ -18,8 +19,11 @@ transformers and gguf are optional (``pip install bigmodel[hf]``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ GGUF_SUFFIX = ".gguf"
 # llama.cpp stores tensors that transformers computes from the config (rotary frequencies).
 COMPUTED_PREFIXES = ("rope_freqs.", "rope_factors_long.", "rope_factors_short.")
 _CHUNK_BYTES = 4 * 2**20  # dequantize this many output bytes at a time
+_KEPT_ARRAY_LENGTH = 4096  # metadata arrays longer than this are stepped over (see open_reader)
 _INTEGER_TYPES = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
@@ -66,33 +71,73 @@ def _dequantizable(gguf: Any, qtype: Any) -> bool:
     return True
 
 
+def file_key(path: str | os.PathLike) -> tuple[str, int, int]:
+    """``(resolved path, size, mtime in ns)``: what the per-process caches of GGUF parses are keyed by.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_file():
+        raise FileNotFoundError(
+            f"GGUF file {str(path)!r} does not exist; pass the path of a .gguf file."
+        )
+    stat = resolved.stat()
+    return str(resolved), stat.st_size, stat.st_mtime_ns
+
+
 def open_reader(path: str | os.PathLike) -> Any:
     """A ``gguf.GGUFReader`` for ``path``, each tensor's type and byte range checked first.
+
+    The reader is made once per process for a given file (same path, size and modification
+    time) and shared: treat it as read-only.  Metadata arrays longer than 4096 entries (a
+    vocabulary, its merges) are stepped over and their values not kept (``field.contents()``
+    is empty): gguf's reader would build one numpy view per entry, seconds and 100+ MiB for a
+    large vocabulary; the tokenizer and config are read by transformers
+    (:mod:`bigmodel.checkpoints.gguf_meta`).
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a GGUF file; a tensor with a quantization type gguf cannot read, or
             whose bytes run past the end of the file (names the tensor and the fix).
     """
+    return _checked_reader(file_key(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _checked_reader(key: tuple[str, int, int]) -> Any:
     gguf = _require_gguf()
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"GGUF file {str(path)!r} does not exist; pass the path of a .gguf file."
-        )
+    path = Path(key[0])
     supported: dict[int, bool] = {}
 
+    array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+
     class CheckedReader(gguf.GGUFReader):
+        def _get_field_parts(self, start: int, raw_type: int) -> tuple[int, list, list, list]:
+            if raw_type != array:
+                return super()._get_field_parts(start, raw_type)
+            item_type, count = self._get(start, np.uint32), self._get(start + 4, np.uint64)
+            scalar = self.gguf_scalar_to_np.get(int(item_type[0]))
+            if count[0] <= _KEPT_ARRAY_LENGTH or (scalar is None and item_type[0] != string):
+                return super()._get_field_parts(start, raw_type)
+            # A long array (a vocabulary, its merges and token types: 10^5 entries) is stepped
+            # over, not read as one numpy view per entry (seconds, and 100+ MiB that outlive the
+            # parse).  Its values are not kept: the tokenizer is transformers' to read (gguf_meta).
+            offset = start + 12 + int(count[0]) * np.dtype(scalar).itemsize if scalar is not None else start + 12
+            if scalar is None:
+                length = struct.Struct("<Q" if (sys.byteorder == "little") != (self.byte_order == "S") else ">Q")
+                for _ in range(int(count[0])):
+                    offset += 8 + length.unpack_from(self.data, offset)[0]
+            return offset - start, [item_type, count], [], [array, gguf.GGUFValueType(int(item_type[0]))]
+
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             for field in fields:
-                _check_tensor_field(
-                    gguf, path, len(self.data), start_offs, field, supported
-                )
+                _check_tensor_field(gguf, path, len(self.data), start_offs, field, supported)
             super()._build_tensors(start_offs, fields)
 
     try:
         return CheckedReader(str(path))
-    except ValueError as error:
+    except (ValueError, IndexError, struct.error) as error:  # gguf reads past a truncated end as empty views
         if str(path) in str(error):
             raise
         raise ValueError(
@@ -300,43 +345,3 @@ def _name_map(
             f"{type(model).__name__} ({error}); upgrade transformers and gguf."
         ) from error
     return processor, dict(names)
-
-
-def config_from_gguf(path: str | os.PathLike) -> Any:
-    """The transformers config stored in a GGUF file's metadata (``AutoConfig(..., gguf_file=)``).
-
-    Raises:
-        ImportError: transformers or gguf is missing.
-        ValueError: transformers does not support the file's architecture (names the file).
-    """
-    import transformers
-
-    path = Path(path)
-    try:
-        return transformers.AutoConfig.from_pretrained(
-            str(path.parent), gguf_file=path.name
-        )
-    except (ValueError, KeyError, OSError) as error:
-        raise ValueError(
-            f"Cannot read a transformers config from GGUF file {str(path)!r} ({error}); "
-            "check that transformers supports its architecture."
-        ) from error
-
-
-def tokenizer_from_gguf(path: str | os.PathLike) -> Any:
-    """The tokenizer stored in a GGUF file (transformers' GGUF tokenizer conversion).
-
-    Raises:
-        ValueError: the file holds no tokenizer transformers can rebuild (names the file).
-    """
-    import transformers
-
-    path = Path(path)
-    try:
-        return transformers.AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name
-        )
-    except (ValueError, KeyError, OSError) as error:
-        raise ValueError(
-            f"Cannot rebuild a tokenizer from GGUF file {str(path)!r} ({error}); pass a model folder with one."
-        ) from error

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from ..checkpoints.files import read_tensor_infos, resolve_checkpoint_files
-from ..checkpoints.gguf import config_from_gguf, is_gguf, tokenizer_from_gguf
+from ..checkpoints.gguf import is_gguf
+from ..checkpoints.gguf_meta import config_from_gguf, tokenizer_from_gguf
 from ..core.devices import normalize_device
 from ..core.sizes import compute_module_sizes, get_max_layer_size, to_dtype
 from .hf_models import (
