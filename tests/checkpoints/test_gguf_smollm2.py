@@ -56,10 +56,10 @@ def test_gguf_with_half_the_layers_offloaded_matches_the_safetensors_conversion(
 
     from bigmodel import load_checkpoint_and_dispatch, load_pretrained
     from bigmodel.cli.embedded import convert_gguf
+    from bigmodel.integrations.hf import load_config, load_tokenizer
 
     # the reference: the one-time dequantized safetensors conversion (transformers' GGUF reader)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
-    config = transformers.AutoConfig.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    tokenizer, config = load_tokenizer(smollm2_gguf), load_config(smollm2_gguf)
     (tmp_path / "converted").mkdir()
     convert_gguf(smollm2_gguf, tmp_path / "converted")
     converted = load_pretrained(tmp_path / "converted", device_map={"": "cpu"})
@@ -180,3 +180,19 @@ def test_embedded_model_runs_from_its_gguf_without_converting(
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_config_and_tokenizer_read_once_are_transformers_own(smollm2_gguf: Path) -> None:
+    import transformers
+
+    from bigmodel.integrations.hf import load_config, load_tokenizer
+
+    where = {"pretrained_model_name_or_path": str(smollm2_gguf.parent), "gguf_file": smollm2_gguf.name}
+    ours, theirs = load_tokenizer(smollm2_gguf), transformers.AutoTokenizer.from_pretrained(**where)
+    assert type(ours) is type(theirs)
+    text = (Path(__file__).parents[1] / "data" / "public_domain_english.txt").read_text() + " Ünïcödé <|im_end|>"
+    assert ours(text).input_ids == theirs(text).input_ids
+    chat = [{"role": "user", "content": PROMPTS[0]}]
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+    assert ours.special_tokens_map == theirs.special_tokens_map and ours.get_vocab() == theirs.get_vocab()
+    assert load_config(smollm2_gguf).to_dict() == transformers.AutoConfig.from_pretrained(**where).to_dict()

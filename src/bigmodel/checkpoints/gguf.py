@@ -5,8 +5,7 @@ names (``blk.3.attn_q.weight``), most of them quantized in blocks (``Q4_1``, ``Q
 ...).  :class:`GGUFCheckpoint` opens one for a given transformers model:
 
 - the file is read with the ``gguf`` package's ``GGUFReader`` (a memory map: nothing is read
-  until a tensor is), once per process, long metadata arrays (the vocabulary) stepped over,
-  after checking every tensor's quantization type and byte range, so a corrupted file is
+  until a tensor is), long metadata arrays (the vocabulary) stepped over, after checking every tensor's quantization type and byte range, so a corrupted file is
   refused before anything is loaded, with the tensor named;
 - names are mapped with transformers' GGUF integration (``get_gguf_hf_weights_map`` and the
   architecture's tensor processor, which also undoes llama.cpp's query/key row permutation);
@@ -19,6 +18,7 @@ transformers and gguf are optional (``pip install bigmodel[hf]``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -72,7 +72,7 @@ def _dequantizable(gguf: Any, qtype: Any) -> bool:
 
 
 def file_key(path: str | os.PathLike) -> tuple[str, int, int]:
-    """``(resolved path, size, mtime in ns)``: what the per-process caches of GGUF parses are keyed by.
+    """``(resolved path, size, mtime in ns)``: what per-process caches of a file's parse are keyed by.
 
     Raises:
         FileNotFoundError: no such file.
@@ -89,25 +89,20 @@ def file_key(path: str | os.PathLike) -> tuple[str, int, int]:
 def open_reader(path: str | os.PathLike) -> Any:
     """A ``gguf.GGUFReader`` for ``path``, each tensor's type and byte range checked first.
 
-    The reader is made once per process for a given file (same path, size and modification
-    time) and shared: treat it as read-only.  Metadata arrays longer than 4096 entries (a
-    vocabulary, its merges) are stepped over and their values not kept (``field.contents()``
-    is empty): gguf's reader would build one numpy view per entry, seconds and 100+ MiB for a
-    large vocabulary; the tokenizer and config are read by transformers
-    (:mod:`bigmodel.checkpoints.gguf_meta`).
+    Metadata arrays longer than 4096 entries (a vocabulary, its merges) are stepped over and
+    their values not kept (``field.contents()`` is empty): gguf's reader would build one numpy
+    view per entry, seconds and 100+ MiB for a large vocabulary (0.2 s and 1.5 MiB this way for
+    SmolLM2); the tokenizer and config are read by transformers
+    (:mod:`bigmodel.checkpoints.gguf_meta`, once per process).  The reader is not kept: its
+    memory map would hold every page read through it.
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a GGUF file; a tensor with a quantization type gguf cannot read, or
             whose bytes run past the end of the file (names the tensor and the fix).
     """
-    return _checked_reader(file_key(path))
-
-
-@functools.lru_cache(maxsize=4)
-def _checked_reader(key: tuple[str, int, int]) -> Any:
     gguf = _require_gguf()
-    path = Path(key[0])
+    path = Path(file_key(path)[0])
     supported: dict[int, bool] = {}
 
     array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
@@ -314,6 +309,25 @@ def _torch_dtype(tensor: Any) -> torch.dtype:
     )
 
 
+@contextlib.contextmanager
+def name_maps_built_once() -> Iterator[None]:
+    """Serve repeated ``gguf.get_tensor_name_map(arch, layers)`` calls from a cache for the block.
+
+    transformers' ``get_gguf_hf_weights_map`` walks every submodule and asks gguf for the
+    same name map at each one: ~400 builds of ~0.03 s for SmolLM2, 12 s of the load, 0.05 s
+    with the repeats cached (the map is a pure function of its arguments).  transformers
+    imports the function when it runs, so it picks the cached one up; were that to change,
+    the mapping would be as right, only as slow as before.  Restored on exit.
+    """
+    gguf = _require_gguf()
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 def _name_map(
     path: Path, architecture: str, model: nn.Module
 ) -> tuple[Any, dict[str, str]]:
@@ -338,7 +352,8 @@ def _name_map(
         config=config.to_dict()
     )
     try:
-        names = get_gguf_hf_weights_map(model, processor)
+        with name_maps_built_once():
+            names = get_gguf_hf_weights_map(model, processor)
     except NotImplementedError as error:
         raise ValueError(
             f"GGUF file {str(path)!r}: transformers cannot map architecture {architecture!r} to "

@@ -140,6 +140,7 @@ def check_against_in_memory(
     Returns:
         A :class:`LogitsCheck`.
     """
+    from ..checkpoints.gguf import name_maps_built_once
     from ..integrations.hf import load_config, require_transformers
 
     transformers = require_transformers()
@@ -150,7 +151,8 @@ def check_against_in_memory(
         # a GGUF file: its config as already read (parsed once per process), its weights read by transformers
         where = {"gguf_file": Path(folder).name, "config": load_config(folder)} if str(folder).endswith(".gguf") else {}
         source = str(Path(folder).parent) if where else str(folder)
-        reference_model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **where).eval()
+        with name_maps_built_once() if where else contextlib.nullcontext():
+            reference_model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **where).eval()
     reference = forward_logits(reference_model, ids)
     del reference_model
     gc.collect()
