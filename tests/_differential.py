@@ -51,11 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _differential_models import MODELS_BY_NAME, ModelCase, output_tensor
+from _differential_paths import PATHS_BY_NAME, Choices, OffloadPath, apply_path
 from torch import nn
 
 import bigmodel
-from _differential_models import MODELS_BY_NAME, ModelCase, output_tensor
-from _differential_paths import PATHS_BY_NAME, Choices, OffloadPath, apply_path
 
 SEED = 1234
 

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _differential_models import ModelCase
 from safetensors.torch import save_model
 from torch import nn
 
 import bigmodel
-from _differential_models import ModelCase
 
 # --- drawing choices -----------------------------------------------------------------------
 

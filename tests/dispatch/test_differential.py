@@ -19,12 +19,17 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from _differential import KNOWN_BUGS, OPERATIONS, applicable, known_bug, run_differential
+from _differential import (
+    KNOWN_BUGS,
+    OPERATIONS,
+    applicable,
+    known_bug,
+    run_differential,
+)
 from _differential_models import MODELS, MODELS_BY_NAME
 from _differential_paths import PATHS, PATHS_BY_NAME, Choices
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -15,7 +15,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bigmodel import dispatch_model, init_empty_weights, load_checkpoint_and_dispatch, remove_hook_from_submodules
+from bigmodel import (
+    dispatch_model,
+    init_empty_weights,
+    load_checkpoint_and_dispatch,
+    remove_hook_from_submodules,
+)
 
 
 class TiedLM(nn.Module):

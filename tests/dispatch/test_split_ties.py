@@ -10,7 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from bigmodel import dispatch_model, find_tied_parameters, get_state_dict_offloaded_model, remove_hook_from_submodules
+from bigmodel import (
+    dispatch_model,
+    find_tied_parameters,
+    get_state_dict_offloaded_model,
+    remove_hook_from_submodules,
+)
 
 
 class TiedLM(nn.Module):

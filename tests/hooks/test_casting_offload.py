@@ -17,8 +17,8 @@ from torch import nn
 from bigmodel import (
     attach_layerwise_casting_hooks,
     cpu_offload,
-    dispatch_model,
     disk_offload,
+    dispatch_model,
     get_state_dict_offloaded_model,
     remove_hook_from_submodules,
 )

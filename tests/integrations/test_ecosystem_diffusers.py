@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny_ecosystem import PROMPT_IDS, hook_owner, latents, tiny_pipeline, tiny_unet, tiny_vae, unet_inputs
+from _tiny_ecosystem import (
+    PROMPT_IDS,
+    hook_owner,
+    latents,
+    tiny_pipeline,
+    tiny_unet,
+    tiny_vae,
+    unet_inputs,
+)
 from diffusers import AutoencoderKL, UNet2DConditionModel
 
 from bigmodel.integrations import use_bigmodel

@@ -16,7 +16,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bigmodel import init_empty_weights, load_checkpoint_and_dispatch, load_checkpoint_in_model
+from bigmodel import (
+    init_empty_weights,
+    load_checkpoint_and_dispatch,
+    load_checkpoint_in_model,
+)
 from bigmodel.core.devices import accelerator_count, accelerator_type
 
 

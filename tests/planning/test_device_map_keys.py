@@ -15,7 +15,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bigmodel import check_device_map, dispatch_model, init_empty_weights, load_checkpoint_and_dispatch
+from bigmodel import (
+    check_device_map,
+    dispatch_model,
+    init_empty_weights,
+    load_checkpoint_and_dispatch,
+)
 
 MESSAGE = "The following device_map keys do not match any submodules in the model"
 

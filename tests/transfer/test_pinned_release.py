@@ -14,7 +14,12 @@ import gc
 
 import pytest
 import torch
-from _fake_accelerator import copies_module, dispatch_as_accelerator, install, pinned_module
+from _fake_accelerator import (
+    copies_module,
+    dispatch_as_accelerator,
+    install,
+    pinned_module,
+)
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 

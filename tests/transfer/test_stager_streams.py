@@ -9,10 +9,20 @@ import threading
 
 import pytest
 import torch
-from _fake_accelerator import copies_module, dispatch_as_accelerator, install, pinned_module
+from _fake_accelerator import (
+    copies_module,
+    dispatch_as_accelerator,
+    install,
+    pinned_module,
+)
 from torch import nn
 
-from bigmodel import cpu_offload, dispatch_model, disk_offload, remove_hook_from_submodules
+from bigmodel import (
+    cpu_offload,
+    disk_offload,
+    dispatch_model,
+    remove_hook_from_submodules,
+)
 from bigmodel.transfer.staging import StagedBatch, StagingBuffer
 
 DIM = 40

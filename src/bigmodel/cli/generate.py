@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,14 +140,19 @@ def check_against_in_memory(
     Returns:
         A :class:`LogitsCheck`.
     """
-    from ..integrations.hf import require_transformers
+    from ..checkpoints.gguf import name_maps_built_once
+    from ..integrations.hf import load_config, require_transformers
 
     transformers = require_transformers()
     if dtype is None:
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     dispatched = forward_logits(model, ids)
     with quiet_transformers(transformers):
-        reference_model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+        # a GGUF file: its config as already read (parsed once per process), its weights read by transformers
+        where = {"gguf_file": Path(folder).name, "config": load_config(folder)} if str(folder).endswith(".gguf") else {}
+        source = str(Path(folder).parent) if where else str(folder)
+        with name_maps_built_once() if where else contextlib.nullcontext():
+            reference_model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **where).eval()
     reference = forward_logits(reference_model, ids)
     del reference_model
     gc.collect()

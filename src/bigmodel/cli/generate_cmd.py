@@ -35,7 +35,9 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "disk) and generate greedily.  Without MODEL, runs the embedded SmolLM2-135M-Instruct with about half "
         "of its layers on disk.",
     )
-    parser.add_argument("model", nargs="?", help="model folder (config.json + weights + tokenizer); default: SmolLM2")
+    parser.add_argument(
+        "model", nargs="?", help="model folder (config.json + weights + tokenizer) or .gguf file; default: SmolLM2"
+    )
     parser.add_argument("--prompt", default=_generate.DEFAULT_PROMPT, help="the prompt (default: %(default)r)")
     parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default: %(default)s")
     parser.add_argument("--max-memory", nargs="+", metavar="DEV=SIZE", help="budgets, e.g. cpu=200MB 0=8GiB")
@@ -48,6 +50,10 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where weights mapped to disk are kept (default: a temporary folder, removed at exit)",
     )  # fmt: skip
     parser.add_argument("--dtype", help="load floating weights in this dtype (default: the config's)")
+    parser.add_argument(
+        "--offload-quantization", choices=("int8", "int4", "float8"),
+        help="store offloaded Linear weights in this form, dequantized at each forward (default: as loaded)",
+    )  # fmt: skip
     parser.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     parser.add_argument("--check", action="store_true", help="also run the model whole in memory and compare logits")
     parser.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: torch's choice)")
@@ -167,7 +173,7 @@ def run_generate(args: argparse.Namespace) -> int:
     budgets = parse_max_memory(args.max_memory)
     _check_args(args)
     embedded = args.model is None
-    folder = _embedded.embedded_model_folder() if embedded else _hf.resolve_model_folder(args.model)
+    folder = _embedded.gguf_path() if embedded else _hf.resolve_model_folder(args.model)  # GGUF read in place
     tokenizer = _hf.load_tokenizer(folder)
     start = time.perf_counter()
     empty = _hf.empty_model(folder, dtype=dtype)
@@ -184,7 +190,9 @@ def run_generate(args: argparse.Namespace) -> int:
         offload = _offload_folder(stack, args.offload_folder, usage)
         before_load = rss_split_bytes()
         start = time.perf_counter()
-        model = _hf.load_pretrained(folder, planned, None, offload, dtype)
+        model = _hf.load_pretrained(
+            folder, planned, None, offload, dtype, offload_quantization=args.offload_quantization
+        )
         load_seconds = plan_seconds + time.perf_counter() - start  # as long as a load_pretrained that plans
         result = _generate.generate(model, tokenizer, args.prompt, args.max_new_tokens, chat=not args.no_chat)
         source = budgets if args.device_map in _hf.STRING_DEVICE_MAPS else f"device map {args.device_map}"

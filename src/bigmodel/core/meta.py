@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from .devices import DeviceSpec
 from .tensors import as_parameter
 
+
 @dataclass(frozen=True)
 class _Placement:
     device: torch.device

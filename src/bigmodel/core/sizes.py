@@ -121,6 +121,20 @@ def to_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
     )
 
 
+def floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` resolved (see :func:`to_dtype`) and checked to be a floating torch dtype; None stays None.
+
+    Raises:
+        ValueError: ``dtype`` is unknown or not a floating torch dtype (names it).
+    """
+    if dtype is None:
+        return None
+    resolved = to_dtype(dtype)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not a floating torch dtype; pass e.g. torch.float16 or 'bfloat16'.")
+    return resolved
+
+
 def dtype_byte_size(dtype: torch.dtype | str) -> float:
     """Bytes one element of ``dtype`` takes.
 

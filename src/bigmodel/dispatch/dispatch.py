@@ -25,14 +25,20 @@ from ..core.tensors import (
     name_prefixes,
     retie_parameters,
 )
-from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded, tie_to_resident
+from ..hooks.align import (
+    attach_align_device_hook_on_blocks,
+    tie_offloaded,
+    tie_to_resident,
+)
 from ..hooks.align_hook import offload_hook_of
+from ..offload.quantized import check_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
     PrefixedDataset,
     extract_submodules_state_dict,
 )
 from ..transfer.pinned import pin_module_tensors, pin_tensors
+from .quantized_offload import quantize_in_ram, store_on_disk, wrap_weights_map
 from .redispatch import (
     _enable_prefetch,
     _guard_moves,
@@ -139,13 +145,20 @@ def _mapped_device(device_map: Mapping[str, DeviceSpec], name: str) -> str:
 
 
 def _disk_weights(
-    model: nn.Module, disk_modules: list[str], offload_dir: Any, offload_index: Any, offload_buffers: bool
-) -> None:
-    """Write the disk parts' weights to ``offload_dir``, except those its index already holds."""
+    model: nn.Module, disk_modules: list[str], offload_dir: Any, offload_index: Any, offload_buffers: bool,
+    form: str | None = None,
+) -> list[str]:
+    """Write the disk parts' weights to ``offload_dir``, except those its index already holds.
+
+    Returns:
+        The names stored quantized (``form``).
+    """
     if not disk_modules or offload_index is not None:
-        return
+        return []
     state = extract_submodules_state_dict(read_by_hooks(model, offload_buffers), disk_modules)
-    ensure_offloaded(offload_dir, {k: v.detach() for k, v in state.items()})
+    rest, quantized = store_on_disk(model, offload_dir, {k: v.detach() for k, v in state.items()}, form)
+    ensure_offloaded(offload_dir, rest)
+    return quantized
 
 
 def _hooks_offload_folder(model: nn.Module) -> Any:
@@ -189,6 +202,7 @@ def dispatch_model(
     skip_keys: str | list[str] | None = None,
     preload_module_classes: list[str] | None = None,
     force_hooks: bool = False,
+    offload_quantization: str | None = None,
 ) -> nn.Module:
     """Place each part of ``model`` per ``device_map`` and attach the hooks that run it.
 
@@ -206,6 +220,11 @@ def dispatch_model(
         skip_keys: input/output mapping keys never moved.
         preload_module_classes: class names whose weights are all loaded at the start of their forward.
         force_hooks: attach hooks even when the map has a single device.
+        offload_quantization: ``"int8"`` (per channel), ``"int4"`` (groups of 64) or ``"float8"``:
+            store the offloaded ``nn.Linear`` weights in that form (in RAM for CPU parts, in
+            ``offload_dir`` for disk parts, quantized once and reused while the source bytes are
+            the same) and dequantize them on the execution device at each forward.  Norms,
+            embeddings, biases and tied weights stay in full precision.  None: full precision.
 
     When the main device is an accelerator, the CPU part's values are pinned once
     (:func:`~bigmodel.transfer.pinned.pin_tensors`; ``BIGMODEL_PIN_MEMORY=0`` opts out) and offloaded
@@ -228,6 +247,7 @@ def dispatch_model(
             on ``meta`` in the model.
     """
     device_map_checker()(model, device_map)
+    form = check_form(offload_quantization)
     devices = {normalize_device(d) if not isinstance(d, str) or d not in ("cpu", "disk", "meta") else d
                for d in device_map.values()}
     if len(devices) == 1 and not force_hooks and "disk" not in devices:
@@ -246,9 +266,12 @@ def dispatch_model(
     if not on_cpu and state_dict is None and cpu_modules:
         pin_module_tensors(model, cpu_modules)  # in place, an arena at a time: never two copies in RAM
         state_dict = extract_submodules_state_dict(model.state_dict(), cpu_modules)
+    in_ram: dict = {}
+    if not on_cpu and state_dict and form is not None:
+        state_dict, in_ram = quantize_in_ram(model, state_dict, form)
     if not on_cpu and state_dict:
         state_dict = pin_tensors(state_dict, owner=model)  # once (never the disk part); freed with the model
-    _disk_weights(model, disk_modules, offload_dir, offload_index, offload_buffers)
+    on_disk = _disk_weights(model, disk_modules, offload_dir, offload_index, offload_buffers, form)
     offloaded_kinds = ("disk",) if on_cpu else ("cpu", "disk")
     execution_device = {name: main if d in ("cpu", "disk") else d for name, d in device_map.items()}
     execution_device[""] = main
@@ -258,6 +281,7 @@ def dispatch_model(
         weights_map = OffloadedWeightsLoader(
             state_dict=state_dict or {}, save_folder=offload_dir if disk_modules else None, index=offload_index
         )
+        weights_map = wrap_weights_map(weights_map, form, in_ram, offload_dir if on_disk else None, on_disk)
     tied, tied_map = _tied_params_map(model)
     attach_align_device_hook_on_blocks(
         model, execution_device=execution_device, offload=offload, offload_buffers=offload_buffers,
@@ -292,6 +316,7 @@ def load_checkpoint_and_dispatch(
     strict: bool = False,
     full_state_dict: bool = True,
     broadcast_from_rank0: bool = False,
+    offload_quantization: str | None = None,
 ) -> nn.Module:
     """Plan a device map (if a string), load ``checkpoint`` into ``model`` along it, and dispatch.
 
@@ -305,7 +330,8 @@ def load_checkpoint_and_dispatch(
         offload_folder: folder for ``"disk"`` parts.
         offload_buffers, dtype, offload_state_dict, strict, full_state_dict, broadcast_from_rank0:
             as in :func:`bigmodel.load_checkpoint_in_model`.
-        skip_keys, preload_module_classes, force_hooks: as in :func:`dispatch_model`.
+        skip_keys, preload_module_classes, force_hooks, offload_quantization: as in :func:`dispatch_model`
+            (the disk part is quantized while it is loaded, see :func:`bigmodel.load_checkpoint_in_model`).
 
     Returns:
         The model, loaded and dispatched.
@@ -328,12 +354,14 @@ def load_checkpoint_and_dispatch(
         model, checkpoint, device_map=device_map, offload_folder=offload_folder, dtype=dtype,
         offload_state_dict=offload_state_dict, offload_buffers=offload_buffers, strict=strict,
         full_state_dict=full_state_dict, broadcast_from_rank0=broadcast_from_rank0,
+        offload_quantization=offload_quantization,
     )  # fmt: skip
     if device_map is None:
         return model
     return dispatch_model(
         model, device_map=device_map, offload_dir=offload_folder, offload_buffers=offload_buffers,
         skip_keys=skip_keys, preload_module_classes=preload_module_classes, force_hooks=force_hooks,
+        offload_quantization=offload_quantization,
     )  # fmt: skip
 
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..offload.quantized_store import read_offloaded
 from ..offload.readahead import ReadAhead
 
 logger = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ class Prefetcher:
     def read(self, hook: Any) -> dict[str, torch.Tensor]:
         """The hook's offloaded values from its weights map (serialised with the background reads)."""
         with self.read_lock:
-            return {name: hook.weights_map[name] for name in hook.offloaded_names}
+            return read_offloaded(hook.weights_map, hook.offloaded_names)
 
     def take(self, hook: Any) -> Mapping[str, torch.Tensor]:
         """The hook's values: the staged ones if a prefetch was started, else read now."""

@@ -19,10 +19,15 @@ from torch import nn
 
 from ..core.devices import DeviceSpec
 from ..core.tensors import find_tied_parameters
-from ..hooks.align import attach_align_device_hook, default_execution_device, tie_offloaded
+from ..hooks.align import (
+    attach_align_device_hook,
+    default_execution_device,
+    tie_offloaded,
+)
 from ..hooks.align_hook import AlignDevicesHook
 from ..hooks.cpu_offload import CpuOffload, PinnedCpuOffload, UserCpuOffloadHook
 from ..hooks.registry import add_hook_to_module
+from ..offload.quantized import check_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
     dat_path,
@@ -32,6 +37,7 @@ from ..offload.storage import (
     parse_dtype,
 )
 from ..transfer.pinned import pin_module_tensors, pin_tensors
+from .quantized_offload import quantize_in_ram, store_on_disk, wrap_weights_map
 from .redispatch import (
     _enable_prefetch,
     _guard_moves,
@@ -153,6 +159,7 @@ def cpu_offload(
     offload_buffers: bool = False,
     state_dict: Mapping[str, torch.Tensor] | None = None,
     preload_module_classes: list[str] | None = None,
+    offload_quantization: str | None = None,
 ) -> nn.Module:
     """Keep all of ``model``'s weights on the CPU; each submodule's come to ``execution_device`` for its forward.
 
@@ -163,22 +170,29 @@ def cpu_offload(
         state_dict: the CPU values (default: the model's own, moved to CPU); pinned once when
             ``execution_device`` is an accelerator, and prefetched onto it on a side stream.
         preload_module_classes: class names whose weights are all loaded at the start of their forward.
+        offload_quantization: ``"int8"``, ``"int4"`` or ``"float8"``: keep the ``nn.Linear`` weights
+            quantized in RAM, dequantized on ``execution_device`` at each forward (see
+            :func:`bigmodel.dispatch_model`).
 
     Returns:
         The model, hooked.
 
     Raises:
-        ValueError: ``execution_device`` is not a device spec (names it and the accepted forms).
+        ValueError: ``execution_device`` is not a device spec (names it and the accepted forms), or
+            an unknown ``offload_quantization``.
     """
+    form = check_form(offload_quantization)
     _undispatch(model, "cpu_offload")
     device = execution_device if execution_device is not None else _default_device(model)
     if state_dict is None:
         if _runs_on_accelerator(device):
             pin_module_tensors(model)  # in place, an arena at a time: the model is never in RAM twice
         state_dict = {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
+    state_dict, in_ram = quantize_in_ram(model, state_dict, form)
     if _runs_on_accelerator(device):
         state_dict = pin_tensors(state_dict, owner=model)  # once; given back when the model is deleted
-    _attach_whole_model(model, device, state_dict, offload_buffers, preload_module_classes)
+    weights_map = wrap_weights_map(state_dict, form, in_ram)
+    _attach_whole_model(model, device, weights_map, offload_buffers, preload_module_classes)
     return model
 
 
@@ -188,6 +202,7 @@ def disk_offload(
     execution_device: DeviceSpec | None = None,
     offload_buffers: bool = False,
     preload_module_classes: list[str] | None = None,
+    offload_quantization: str | None = None,
 ) -> nn.Module:
     """Keep all of ``model``'s weights on disk in ``offload_dir``; each submodule's are read for its forward.
 
@@ -203,17 +218,24 @@ def disk_offload(
             on a side stream.
         offload_buffers: offload buffers too.
         preload_module_classes: class names whose weights are all loaded at the start of their forward.
+        offload_quantization: ``"int8"``, ``"int4"`` or ``"float8"``: store the ``nn.Linear`` weights
+            in that form in ``offload_dir`` (reused when made from the same bytes), dequantized on
+            ``execution_device`` at each forward (see :func:`bigmodel.dispatch_model`).
 
     Returns:
         The model, hooked.
 
     Raises:
-        ValueError: a weight is on ``meta`` and ``offload_dir`` cannot provide it (before the model is changed).
+        ValueError: a weight is on ``meta`` and ``offload_dir`` cannot provide it (before the model is
+            changed), or an unknown ``offload_quantization``.
     """
+    form = check_form(offload_quantization)
     _undispatch(model, "disk_offload")
-    ensure_offloaded(offload_dir, {k: v.detach() for k, v in read_by_hooks(model, offload_buffers).items()})
+    state = {k: v.detach() for k, v in read_by_hooks(model, offload_buffers).items()}
+    rest, quantized = store_on_disk(model, offload_dir, state, form)
+    ensure_offloaded(offload_dir, rest)
     device = execution_device if execution_device is not None else _default_device(model)
-    weights_map = OffloadedWeightsLoader(save_folder=offload_dir)
+    weights_map = wrap_weights_map(OffloadedWeightsLoader(save_folder=offload_dir), form, None, offload_dir, quantized)
     _attach_whole_model(model, device, weights_map, offload_buffers, preload_module_classes)
     return model
 

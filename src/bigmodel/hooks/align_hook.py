@@ -27,6 +27,7 @@ from ..core.tensors import (
     named_module_tensors,
     set_module_tensor_to_device,
 )
+from ..offload.quantized_store import read_offloaded, take_dequantized
 from .moving import find_device, send_inputs_to_device, send_to_device
 from .placeholders import Slot, make_slot, placeholder_state, placeholder_states
 from .registry import ModelHook, iter_hooks
@@ -183,12 +184,13 @@ class AlignDevicesHook(ModelHook):
 
     def load_weights(self, module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) -> None:
         """Put the offloaded values into ``module`` (from ``values`` if given, else the weights map)."""
-        source = self.weights_map if values is None else values
+        source = read_offloaded(self.weights_map, self._slots) if values is None else values  # type: ignore[arg-type]
         device = self.device
         tied_map = self.tied_params_map
         self._adopt_replaced_buffers(module)
         for name, slot, dtype, requires_grad in placeholder_states(self._slots):
-            value = source[name]
+            dequantized = take_dequantized(self.weights_map, source, name, device)  # type: ignore[arg-type]
+            value = source[name] if dequantized is None else dequantized
             per_device = None
             if tied_map and not value.is_meta:  # a tied value is put on a device once while it is in use
                 per_device = tied_map.get(value.data_ptr())

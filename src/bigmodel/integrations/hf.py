@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from ..checkpoints.files import read_tensor_infos, resolve_checkpoint_files
+from ..checkpoints.gguf import is_gguf
+from ..checkpoints.gguf_meta import config_from_gguf, tokenizer_from_gguf
 from ..core.devices import normalize_device
 from ..core.sizes import compute_module_sizes, get_max_layer_size, to_dtype
 from .hf_models import (
@@ -65,12 +67,14 @@ def require_transformers() -> ModuleType:
 
 
 def resolve_model_folder(path: str | os.PathLike) -> Path:
-    """The model folder for ``path`` (a folder, or the path of its ``config.json``).
+    """The model folder for ``path`` (a folder, or the path of its ``config.json``); a ``.gguf`` file as it is.
 
     Raises:
         FileNotFoundError: the path does not exist, or the folder has no ``config.json``.
     """
     folder = Path(path).expanduser()
+    if is_gguf(folder) and folder.is_file():
+        return folder  # config, tokenizer and weights in one file
     if folder.is_file() and folder.name.endswith(".json"):
         folder = folder.parent if folder.name == "config.json" else folder
     if not folder.exists():
@@ -94,6 +98,8 @@ def load_config(path: str | os.PathLike) -> Any:
     """
     transformers = require_transformers()
     folder = resolve_model_folder(path)
+    if is_gguf(folder):
+        return config_from_gguf(folder)
     try:
         if folder.is_file():
             data = json.loads(folder.read_text())
@@ -266,6 +272,7 @@ def load_pretrained(
     offload_buffers: bool = False,
     strict: bool = False,
     model_class: type | str | None = None,
+    offload_quantization: str | None = None,
 ) -> nn.Module:
     """Load a Hugging Face model folder under budgets and return the dispatched model.
 
@@ -276,7 +283,8 @@ def load_pretrained(
     same tied weights.  ``model.hf_device_map`` holds the map used.
 
     Args:
-        path: model folder (``config.json`` + weights: safetensors or ``.bin``, sharded or not).
+        path: model folder (``config.json`` + weights: safetensors or ``.bin``, sharded or not),
+            or a ``.gguf`` file (config and weights read from it, tensors dequantized on read).
         device_map: ``"auto"``, ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``, a dict
             module name → device, or the path of a JSON device map.
         max_memory: budgets device → bytes or size string (``{"cpu": "2GiB"}``); free memory when None.
@@ -288,6 +296,8 @@ def load_pretrained(
         strict: also raise on checkpoint keys the model does not use (missing parameters always raise).
         model_class: the class to build (a transformers model class, an ``AutoModel*`` class or
             the name of one); the first of ``config.architectures`` when None.
+        offload_quantization: ``"int8"``, ``"int4"`` or ``"float8"``: store offloaded
+            ``nn.Linear`` weights in that form, dequantized on the execution device at each forward.
 
     Returns:
         The model in eval mode, with weights placed and hooks attached.
@@ -304,14 +314,15 @@ def load_pretrained(
     from ..loading.converted import load_converted_checkpoint
 
     folder = resolve_model_folder(path)
-    files = resolve_checkpoint_files(folder)  # fail before building when there are no weights
+    gguf = is_gguf(folder)  # config, tokenizer and weights in one file, names mapped by transformers
+    files = [] if gguf else resolve_checkpoint_files(folder)  # fail before building when there are no weights
     config = load_config(folder)
     source = repr(str(folder))
     refuse_quantized(config, source)
-    infos = read_tensor_infos(files)
+    infos = {} if gguf else read_tensor_infos(files)
     torch_dtype = resolve_dtype(config, dtype, infos)
     model = build_on_meta(model_class_for(config, model_class, source), config, torch_dtype, source)
-    conversion = prepare_checkpoint(model, infos, source)
+    conversion = None if gguf else prepare_checkpoint(model, infos, source)
     if isinstance(device_map, (str, os.PathLike)) and str(device_map) not in STRING_DEVICE_MAPS:
         device_map = read_device_map(device_map)
     no_split = no_split_classes(model) if no_split_module_classes is None else list(no_split_module_classes)
@@ -322,9 +333,12 @@ def load_pretrained(
     load_converted_checkpoint(
         model, folder, conversion, device_map=planned, offload_folder=offload_dir, dtype=torch_dtype,
         keep_in_fp32_modules=_other_dtype_names(model, torch_dtype), offload_state_dict="disk" in planned.values(),
-        offload_buffers=offload_buffers, strict=strict,
+        offload_buffers=offload_buffers, strict=strict, offload_quantization=offload_quantization,
     )  # fmt: skip
-    model = dispatch_model(model, device_map=planned, offload_dir=offload_dir, offload_buffers=offload_buffers)
+    model = dispatch_model(
+        model, device_map=planned, offload_dir=offload_dir, offload_buffers=offload_buffers,
+        offload_quantization=offload_quantization,
+    )  # fmt: skip
     _attach_generation_config(model, folder)
     return model.eval()
 
@@ -337,15 +351,22 @@ def _other_dtype_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
 
 
 def _attach_generation_config(model: nn.Module, folder: Path) -> None:
-    if not (folder / "generation_config.json").is_file() or not getattr(model, "can_generate", lambda: True)():
+    if not getattr(model, "can_generate", lambda: True)():
         return
     transformers = require_transformers()
+    if is_gguf(folder):
+        model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
+        return
+    if not (folder / "generation_config.json").is_file():
+        return
     model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
 
 
 def has_tokenizer(path: str | os.PathLike) -> bool:
-    """True if the model folder holds tokenizer files."""
+    """True if the model folder holds tokenizer files (a ``.gguf`` file holds its own)."""
     folder = Path(path)
+    if is_gguf(folder):
+        return folder.is_file()
     return folder.is_dir() and any((folder / name).is_file() for name in _TOKENIZER_FILES)
 
 
@@ -357,6 +378,8 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     """
     transformers = require_transformers()
     folder = resolve_model_folder(path)
+    if is_gguf(folder):
+        return tokenizer_from_gguf(folder)
     if not has_tokenizer(folder):
         raise ValueError(
             f"Model folder {str(folder)!r} has no tokenizer (no {' / '.join(_TOKENIZER_FILES)}), so a text "

@@ -8,10 +8,11 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from ..checkpoints.files import resolve_checkpoint_files
 from ..core.devices import DeviceSpec
+from ..core.sizes import floating_dtype
+from ..offload.quantized import check_form
 from .conversion import KeyConversion
-from .loader import _floating_dtype, _load
+from .loader import _load
 
 __all__ = ["load_converted_checkpoint"]
 
@@ -28,6 +29,7 @@ def load_converted_checkpoint(
     offload_buffers: bool = False,
     keep_in_fp32_modules: Sequence[str] | None = None,
     strict: bool = False,
+    offload_quantization: str | None = None,
 ) -> None:
     """:func:`load_checkpoint_in_model` for a checkpoint whose keys are not the model's names.
 
@@ -40,7 +42,8 @@ def load_converted_checkpoint(
         checkpoint: a weights file, a sharded checkpoint's ``*.index.json``, or a folder holding one.
         conversion: checkpoint key → model name, and the recipes that build fused tensors.
         device_map, offload_folder, dtype, offload_state_dict, offload_buffers, keep_in_fp32_modules,
-            strict: as in :func:`load_checkpoint_in_model`; key checks use the model's names.
+            strict, offload_quantization: as in :func:`load_checkpoint_in_model`; key checks use the
+            model's names.
 
     Raises:
         FileNotFoundError: the checkpoint or one of its shards is missing.
@@ -49,6 +52,6 @@ def load_converted_checkpoint(
         PermissionError: the offload folder is not writable.
     """
     _load(
-        model, resolve_checkpoint_files(checkpoint), conversion, device_map, offload_folder, _floating_dtype(dtype),
-        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict, checkpoint,
+        model, checkpoint, conversion, device_map, offload_folder, floating_dtype(dtype), offload_state_dict,
+        offload_buffers, keep_in_fp32_modules or (), strict, check_form(offload_quantization),
     )  # fmt: skip

@@ -8,7 +8,13 @@ from collections.abc import Mapping
 import torch
 
 from ..checkpoints.files import TensorInfo
-from ..core.devices import DeviceSpec, accelerator_count, accelerator_type, normalize_device, torch_device
+from ..core.devices import (
+    DeviceSpec,
+    accelerator_count,
+    accelerator_type,
+    normalize_device,
+    torch_device,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,10 @@ from ..checkpoints.files import (
     read_tensor_infos,
     resolve_checkpoint_files,
 )
+from ..checkpoints.gguf import GGUFCheckpoint, is_gguf
 from ..core.devices import DeviceSpec
 from ..core.progress import ByteProgress
-from ..core.sizes import to_dtype
+from ..core.sizes import floating_dtype
 from ..core.tensors import (
     device_of,
     find_tied_parameters,
@@ -45,6 +46,8 @@ from ..core.tensors import (
     set_module_tensor_to_device,
 )
 from ..offload.format import files_no_offload_wrote
+from ..offload.quantized import check_form, quantizable_names
+from ..offload.quantized_store import QuantizedFolderWrites
 from ..offload.storage import OffloadWriter
 from .conversion import KeyConversion, TensorRouter, convert_infos
 from .key_checks import check_shapes, listed, placeable_device, report_keys
@@ -73,6 +76,8 @@ class _Plan:
     router: TensorRouter = field(default_factory=lambda: TensorRouter(None))  # checkpoint key → model names
     read_bytes: int = 0  # bytes of the checkpoint tensors read
     placeholders: dict[int, torch.Tensor] = field(default_factory=dict)  # model tensor id → its meta placeholder
+    source: GGUFCheckpoint | None = None  # its own names, infos and dequantized tensors
+    quantized: QuantizedFolderWrites | None = None  # disk weights stored quantized
 
 
 def load_checkpoint_in_model(
@@ -88,6 +93,7 @@ def load_checkpoint_in_model(
     strict: bool = False,
     full_state_dict: bool = True,
     broadcast_from_rank0: bool = False,
+    offload_quantization: str | None = None,
 ) -> None:
     """Load a checkpoint into ``model``, each tensor straight onto the device the map gives it.
 
@@ -116,6 +122,8 @@ def load_checkpoint_in_model(
         strict: raise on missing or unexpected keys instead of logging them.
         full_state_dict: with ``broadcast_from_rank0``, gather loaded values (else keep them sharded).
         broadcast_from_rank0: read on rank 0 and broadcast to the other ranks.
+        offload_quantization: ``"int8"``, ``"int4"`` or ``"float8"``: store the ``nn.Linear`` weights
+            mapped to ``"disk"`` so, reusing the folder's entries made from the same bytes in that form.
 
     Raises:
         FileNotFoundError: the checkpoint or one of its shards is missing.
@@ -135,14 +143,14 @@ def load_checkpoint_in_model(
     if offload_8bit_bnb:
         logger.debug("offload_8bit_bnb: bitsandbytes weights are offloaded as stored.")
     _load(
-        model, resolve_checkpoint_files(checkpoint), None, device_map, offload_folder, _floating_dtype(dtype),
-        offload_state_dict, offload_buffers, keep_in_fp32_modules or (), strict, checkpoint,
+        model, checkpoint, None, device_map, offload_folder, floating_dtype(dtype), offload_state_dict,
+        offload_buffers, keep_in_fp32_modules or (), strict, check_form(offload_quantization),
     )  # fmt: skip
 
 
 def _load(
     model: nn.Module,
-    files: list[Path],
+    checkpoint: str | os.PathLike,
     conversion: KeyConversion | None,
     device_map: Mapping[str, DeviceSpec] | None,
     offload_folder: str | os.PathLike | None,
@@ -151,10 +159,14 @@ def _load(
     offload_buffers: bool,
     fp32: Sequence[str],
     strict: bool,
-    checkpoint: str | os.PathLike,
+    form: str | None = None,
 ) -> None:
-    plan = _make_plan(model, files, conversion, device_map, dtype, fp32, strict, offload_buffers)
+    source = GGUFCheckpoint(checkpoint, model) if is_gguf(checkpoint) else None
+    files = [source.path] if source is not None else resolve_checkpoint_files(checkpoint)
+    plan = _make_plan(model, files, conversion, device_map, dtype, fp32, strict, offload_buffers, source)
     writer = _disk_writer(plan, offload_folder, files, checkpoint)
+    if writer is not None and form is not None:
+        plan.quantized = QuantizedFolderWrites(writer, quantizable_names(model, form), form)
     spill = OffloadWriter(tempfile.mkdtemp(prefix="bigmodel-spill-")) if offload_state_dict else None
     try:
         _stream(model, files, plan, writer, spill)
@@ -176,15 +188,6 @@ def _load(
 # ---------------------------------------------------------------- planning (nothing modified)
 
 
-def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    resolved = to_dtype(dtype)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"dtype={dtype!r} is not a floating torch dtype; pass e.g. torch.float16 or 'bfloat16'.")
-    return resolved
-
-
 def _make_plan(
     model: nn.Module,
     files: list[Path],
@@ -194,16 +197,17 @@ def _make_plan(
     keep_in_fp32: Sequence[str],
     strict: bool,
     offload_buffers: bool,
+    source: GGUFCheckpoint | None = None,
 ) -> _Plan:
     loaded: dict[Path, dict[str, torch.Tensor]] = {}
-    stored = read_tensor_infos(files, keep_loaded=loaded)
+    stored = source.infos() if source is not None else read_tensor_infos(files, keep_loaded=loaded)
     converted = convert_infos(stored, conversion)
     infos = converted.infos
     expected = model.state_dict(keep_vars=True)
     buffers = {name for name, _ in model.named_buffers()}
     plan = _Plan(
         infos=infos, targets={}, tied_groups=find_tied_parameters(model), loaded=loaded,
-        router=TensorRouter(conversion, converted.shadowed),
+        router=TensorRouter(conversion, converted.shadowed), source=source,
         read_bytes=sum(i.dtype.itemsize * torch.Size(i.shape).numel() for i in stored.values()),
     )  # fmt: skip
     for group in plan.tied_groups:
@@ -294,7 +298,8 @@ def _stream(
     """Read the checkpoint tensor by tensor and send each to its device, the offload folder or the spill."""
     read_whole_pickles(plan.infos, plan.targets, plan.loaded, capped=spill is not None)
     with ByteProgress(plan.read_bytes, "Loading checkpoint") as bar:
-        for key, stored in iter_checkpoint_tensors(files, plan.loaded):
+        tensors = plan.source.tensors() if plan.source is not None else iter_checkpoint_tensors(files, plan.loaded)
+        for key, stored in tensors:
             for model_name, tensor, source_key in plan.router.route(key, stored):
                 _place(model, model_name, tensor, source_key, plan, writer, spill)
             bar.update(stored.nbytes)
@@ -320,7 +325,9 @@ def _place(
         target = plan.targets.get(name)
         if target is None:
             continue
-        if target.device == "disk":
+        if target.device == "disk" and plan.quantized is not None and name in plan.quantized:
+            plan.quantized.write(name, tensor.to(target.dtype))
+        elif target.device == "disk":
             _to_folder(writer, name, source_key, tensor, plan.infos[model_name], target, first)
             hold_meta_placeholder(model, name, target.held_dtype, plan.placeholders)
             first = first or name

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from bigmodel._exports import lazy_getattr
-from bigmodel.utils import constants, dataclasses, memory, modeling, offload, operations, other
+from bigmodel.utils import (
+    constants,
+    dataclasses,
+    memory,
+    modeling,
+    offload,
+    operations,
+    other,
+)
 
 __all__ = list(
     dict.fromkeys(
