@@ -142,6 +142,7 @@ def check_against_in_memory(
     """
     from ..checkpoints.gguf import name_maps_built_once
     from ..integrations.hf import load_config, require_transformers
+    from .embedded import gguf_progress_like_bigmodel
 
     transformers = require_transformers()
     if dtype is None:
@@ -151,7 +152,7 @@ def check_against_in_memory(
         # a GGUF file: its config as already read (parsed once per process), its weights read by transformers
         where = {"gguf_file": Path(folder).name, "config": load_config(folder)} if str(folder).endswith(".gguf") else {}
         source = str(Path(folder).parent) if where else str(folder)
-        with name_maps_built_once() if where else contextlib.nullcontext():
+        with name_maps_built_once() if where else contextlib.nullcontext(), gguf_progress_like_bigmodel():
             reference_model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **where).eval()
     reference = forward_logits(reference_model, ids)
     del reference_model

@@ -47,6 +47,9 @@ def _setup_logging(verbosity: int) -> None:
     level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("bigmodel").setLevel(logging.INFO if verbosity == 0 else level)
+    if verbosity == 0:  # optional kernels torchao cannot load on this build, pytree notices: not the user's concern
+        for noisy in ("torchao", "torch.utils._pytree"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
