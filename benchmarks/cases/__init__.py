@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from . import dispatch, generate, init_empty, loading, planning
+from . import dispatch, generate, init_empty, loading, planning, quantized_offload
 from .base import Case, Metric
 
 CASES: dict[str, Case] = {
     case.name: case
-    for module in (init_empty, planning, loading, dispatch, generate)
+    for module in (init_empty, planning, loading, dispatch, generate, quantized_offload)
     for case in module.CASES
 }
 
