@@ -140,9 +140,9 @@ def test_gguf_load_peak_anonymous_memory_is_the_resident_part_plus_one_tensor(
     )  # fmt: skip
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     grown = figures["peak"] - figures["baseline"]
-    slack = (
-        24 * 2**20
-    )  # the GGUF metadata (a 49k-token vocabulary) and the interpreter's own allocations
+    # measured: the resident part + 24 MB (the interpreter's own allocations; the GGUF metadata,
+    # a 49k-token vocabulary, is stepped over and costs ~1.5 MiB)
+    slack = 24 * 2**20
     assert grown <= figures["resident"] + figures["largest"] + slack, figures
     assert grown >= figures["resident"] * 0.9, (
         figures

@@ -128,6 +128,7 @@ def convert_gguf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     """
     from safetensors.torch import save_file
 
+    from ..checkpoints.gguf import name_maps_built_once
     from ..core.tensors import find_tied_parameters
     from ..integrations.hf import require_transformers
 
@@ -147,7 +148,7 @@ def convert_gguf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     with init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()
-    with gguf_progress_like_bigmodel():
+    with gguf_progress_like_bigmodel(), name_maps_built_once():  # transformers rebuilds one name map per submodule otherwise (seconds)
         tensors = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
     duplicates = set()
     for group in find_tied_parameters(model):
