@@ -27,6 +27,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bigmodel.dispatch import dispatch as dispatch_module
+from bigmodel.dispatch import prefetch as prefetch_module
 from bigmodel.dispatch import redispatch as redispatch_module
 from bigmodel.dispatch import whole_model as whole_model_module
 from bigmodel.transfer import copies as copies_module
@@ -164,7 +165,11 @@ class FakeAccelerator:
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
-    """Make bigmodel's transfer layer treat ``cpu`` as an accelerator with the simulated streams above."""
+    """Make bigmodel's transfer layer treat ``cpu`` as an accelerator with the simulated streams above.
+
+    The shared prefetch worker is drained first: a read-ahead still queued by an earlier test's model
+    would otherwise run on the fake and could take a failure injected with ``fail_next_copy``."""
+    _drain_prefetch_worker()
     fake = FakeAccelerator()
     fake.compute = FakeStream(fake, "compute")
     fake._local.stream = fake.compute
@@ -189,6 +194,11 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
 
     monkeypatch.setattr(torch.accelerator, "synchronize", no_device_sync)
     return fake
+
+
+def _drain_prefetch_worker(timeout_s: float = 60.0) -> None:
+    """Wait until every task queued on the one-thread prefetch worker so far has run (FIFO)."""
+    prefetch_module._executor().submit(lambda: None).result(timeout=timeout_s)
 
 
 def dispatch_as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
