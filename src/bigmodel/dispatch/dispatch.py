@@ -45,6 +45,7 @@ from .redispatch import (
     _runs_on_accelerator,
     _undispatch,
 )
+from .uncovered import place_uncovered_buffers
 from .whole_model import (
     cpu_offload,
     cpu_offload_with_hook,
@@ -282,6 +283,7 @@ def dispatch_model(
             state_dict=state_dict or {}, save_folder=offload_dir if disk_modules else None, index=offload_index
         )
         weights_map = wrap_weights_map(weights_map, form, in_ram, offload_dir if on_disk else None, on_disk)
+    place_uncovered_buffers(model, device_map, main)
     tied, tied_map = _tied_params_map(model)
     attach_align_device_hook_on_blocks(
         model, execution_device=execution_device, offload=offload, offload_buffers=offload_buffers,

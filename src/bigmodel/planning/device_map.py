@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..core.devices import DeviceSpec, normalize_device
-from ..core.tensors import name_prefixes
+from ..core.tensors import get_non_persistent_buffers, name_prefixes
 from .fill import (
     Placed,
     PlanContext,
@@ -241,11 +241,14 @@ def unknown_device_map_keys(model: nn.Module, device_map: Mapping[str, object]) 
 
 
 def check_device_map(model: nn.Module, device_map: Mapping[str, object]) -> None:
-    """Check that every parameter and buffer of ``model`` is covered by ``device_map``.
+    """Check that every parameter and persistent buffer of ``model`` is covered by ``device_map``.
 
-    A name is covered by its longest prefix in the map (``""`` covers everything).  Keys that
-    name nothing in the model (a map written for another model, a typo) are ignored with a
-    ``UserWarning`` listing them, worded as the incumbent words it.
+    A name is covered by its longest prefix in the map (``""`` covers everything).  Buffers
+    registered with ``persistent=False`` (not in the state dict, e.g. a rotary embedding's
+    ``inv_freq``) need not be covered, as with the incumbent: :func:`uncovered_buffers` lists
+    them and ``dispatch_model`` puts them on the main device.  Keys that name nothing in the
+    model (a map written for another model, a typo) are ignored with a ``UserWarning`` listing
+    them, worded as the incumbent words it.
 
     Raises:
         ValueError: naming the uncovered parameters/buffers and how to fix the map.
@@ -253,8 +256,9 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, object]) -> None
     unknown = unknown_device_map_keys(model, device_map)
     if unknown:
         warnings.warn(f"{UNKNOWN_KEYS_WARNING}: {unknown}", UserWarning, stacklevel=2)
+    transient = get_non_persistent_buffers(model, recurse=True, fqns=True)
     names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
-    names += [name for name, _ in model.named_buffers(remove_duplicate=False)]
+    names += [name for name, _ in model.named_buffers(remove_duplicate=False) if name not in transient]
     keys = set(device_map)
     missing = [name for name in names if not _covered(name, keys)]
     if missing:
@@ -263,6 +267,17 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, object]) -> None
             f"The device map does not cover {len(missing)} parameters/buffers of {type(model).__name__}: {shown}. "
             "Add them, or a module containing them, to the device map."
         )
+
+
+def uncovered_buffers(model: nn.Module, device_map: Mapping[str, object]) -> list[str]:
+    """The buffers of ``model`` that no key of ``device_map`` covers (only non-persistent ones pass
+    :func:`check_device_map`).
+
+    Returns:
+        Their dotted names, in ``named_buffers`` order.
+    """
+    keys = set(device_map)
+    return [name for name, _ in model.named_buffers(remove_duplicate=False) if not _covered(name, keys)]
 
 
 def _covered(name: str, keys: set[str]) -> bool:
