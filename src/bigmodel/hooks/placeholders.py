@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..core.subclasses import is_tensor_subclass
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadedParameter", "Slot", "make_slot", "placeholder_state", "placeholders_stay_meta"]
@@ -160,7 +162,20 @@ def placeholder_states(slots: dict[str, Slot]) -> list[tuple[str, Slot, torch.dt
 
 
 def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) -> Slot:
-    """The slot replacing ``tensor`` (tensor ``name`` of ``hook``'s module) while it is offloaded."""
+    """The slot replacing ``tensor`` (tensor ``name`` of ``hook``'s module) while it is offloaded.
+
+    A wrapper tensor subclass (torchao's quantized weights) gets a plain meta placeholder of its
+    outer shape and dtype (such subclasses mostly cannot live on ``meta``): between forwards the
+    module holds an ordinary placeholder, and in its forward the subclass itself, rebuilt from
+    its parts on the execution device.
+    """
+    if is_tensor_subclass(tensor):
+        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+        if not is_parameter:
+            return Slot(meta, False)
+        placeholder = OffloadedParameter(meta, requires_grad=tensor.requires_grad)
+        placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
+        return Slot(placeholder, True, nn.Parameter, None)
     meta = tensor.detach().to("meta")
     if not is_parameter:
         return Slot(meta, False)
