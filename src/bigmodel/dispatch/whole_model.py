@@ -29,7 +29,6 @@ from ..hooks.align_hook import AlignDevicesHook
 from ..hooks.cpu_offload import CpuOffload, PinnedCpuOffload, UserCpuOffloadHook
 from ..hooks.registry import add_hook_to_module
 from ..offload.quantized import check_form
-from ..offload.subclass_format import is_subclass_entry, part_files, same_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
     dat_path,
@@ -38,6 +37,7 @@ from ..offload.storage import (
     offload_state_dict,
     parse_dtype,
 )
+from ..offload.subclass_format import is_subclass_entry, part_files, same_form
 from ..transfer.pinned import pin_module_tensors, pin_tensors
 from .quantized_offload import quantize_in_ram, store_on_disk, wrap_weights_map
 from .redispatch import (

@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from ..core.devices import torch_device
+from ..core.subclasses import flatten_tensor, is_tensor_subclass, unflatten_tensor
 from ..core.tensors import (
     get_non_persistent_buffers,
     get_submodule_and_name,
     named_module_tensors,
     set_module_tensor_to_device,
 )
-from ..core.subclasses import flatten_tensor, is_tensor_subclass, unflatten_tensor
 from ..offload.quantized_store import read_offloaded, take_dequantized, take_subclass
 from .moving import find_device, send_inputs_to_device, send_to_device
 from .placeholders import Slot, make_slot, placeholder_state, placeholder_states

@@ -29,7 +29,12 @@ from typing import Any
 
 import torch
 
-from ..core.subclasses import SubclassSpec, flatten_tensor, is_tensor_subclass, unflatten_tensor
+from ..core.subclasses import (
+    SubclassSpec,
+    flatten_tensor,
+    is_tensor_subclass,
+    unflatten_tensor,
+)
 
 SUBCLASS_KEY = "subclass"
 PART_SEP = "#"
