@@ -27,6 +27,7 @@ from torch import nn
 __all__ = [
     "SubclassSpec",
     "check_flattenable",
+    "detached",
     "flatten_tensor",
     "is_tensor_subclass",
     "stored_nbytes",
@@ -179,3 +180,12 @@ def stored_nbytes(tensor: torch.Tensor) -> int:
             return tensor.numel() * tensor.element_size()
         return sum(part.numel() * part.element_size() for part in parts.values())
     return tensor.numel() * tensor.element_size()
+
+
+def detached(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor object over ``tensor``'s data (``tensor.detach()``); a wrapper subclass is rebuilt
+    around detached views of its parts, so it need not implement ``detach`` itself."""
+    if is_tensor_subclass(tensor):
+        parts, spec = flatten_tensor(tensor)
+        return unflatten_tensor(spec, {path: part.detach() for path, part in parts.items()})
+    return tensor.detach()

@@ -22,7 +22,7 @@ from torch import nn
 from ..checkpoints.files import SafetensorsFile
 from ..core.devices import DeviceSpec, torch_device
 from ..core.file_maps import is_mapped
-from ..core.subclasses import check_flattenable, flatten_tensor, is_tensor_subclass
+from ..core.subclasses import check_flattenable, detached, flatten_tensor, is_tensor_subclass
 from ..core.tensors import set_module_tensor_to_device
 from .format import (
     INDEX_NAME,
@@ -240,7 +240,7 @@ class OffloadedWeightsLoader(Mapping):
                 raise KeyError(key)
             tensor = self._map(key)
         else:
-            tensor = tensor.detach()  # a new view: callers never change the cached tensor's metadata
+            tensor = detached(tensor)  # a new view: callers never change the cached tensor's metadata
         if self.device is not None:
             tensor = tensor.to(torch_device(self.device))
         return tensor
@@ -254,7 +254,7 @@ class OffloadedWeightsLoader(Mapping):
         with self._lock, torch.inference_mode(False):
             cached = self._mapped.get(key)
             if cached is not None:
-                return cached.detach()
+                return detached(cached)
             info = self.index[key]
             if "safetensors_file" in info:
                 tensor = _read_safetensors_entry(info, key, self._files, self.save_folder)
@@ -263,7 +263,7 @@ class OffloadedWeightsLoader(Mapping):
             if tensor.numel() and not _file_backed(tensor):
                 return tensor  # a cast, realigned or unprotected copy: not kept (it is not file-backed memory)
             self._mapped[key] = tensor
-            return tensor.detach()
+            return detached(tensor)
 
     def __contains__(self, key: object) -> bool:
         return key in self.state_dict or key in self.index
