@@ -67,7 +67,7 @@ def test_sizes_count_the_quantized_bytes():
 
 def test_infer_auto_device_map_plans_with_the_quantized_bytes():
     model = quantized_sequential()
-    total = compute_module_sizes(model)[""]
+    total = inner_bytes(model[0].weight) + inner_bytes(model[2].weight) + (128 + 32) * 4  # the bytes it holds
     device_map = infer_auto_device_map(model, max_memory={"cpu": total, "disk": 10**9})
     assert set(device_map.values()) == {"cpu"}  # float32 sizes (~4x) would send most of it to disk
 
@@ -77,8 +77,10 @@ def test_cpu_offload_moves_the_subclass_not_a_dequantized_copy():
     with torch.no_grad():
         expected = model(X)
     original = {i: model[i].weight.qdata.data_ptr() for i in (0, 2)}
+    stored_bytes = inner_bytes(model[0].weight) + 128 * 4
     cpu_offload(model, "cpu")
     hook = offload_hook_of(model[0])
+    assert hook.offloaded_bytes == stored_bytes  # what prefetch bounds count: the quantized bytes
     stored = hook.weights_map["weight"]
     assert type(stored) is Int8Tensor and stored.qdata.dtype == torch.int8  # RAM holds the quantized bytes
     assert model[0].weight.is_meta  # between forwards: a plain meta placeholder

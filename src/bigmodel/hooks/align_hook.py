@@ -112,8 +112,11 @@ class AlignDevicesHook(ModelHook):
 
     @property
     def offloaded_bytes(self) -> int:
-        """Bytes of the offloaded tensors (in the module's dtypes)."""
-        return sum(slot.placeholder.numel() * slot.placeholder.element_size() for slot in self._slots.values())
+        """Bytes of the offloaded tensors (in the module's dtypes; a wrapper subclass: its inner tensors' bytes)."""
+        return sum(
+            slot.nbytes if slot.nbytes is not None else slot.placeholder.numel() * slot.placeholder.element_size()
+            for slot in self._slots.values()
+        )
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         if self.offload:

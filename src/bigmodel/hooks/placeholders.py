@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..core.subclasses import is_tensor_subclass
+from ..core.subclasses import is_tensor_subclass, stored_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,7 @@ class Slot:
     is_parameter: bool
     param_type: type = torch.Tensor
     extra: dict | None = None  # __dict__ settings of a Parameter subclass (quantised weights)
+    nbytes: int | None = None  # bytes of the value when not the placeholder's numel × itemsize (a wrapper subclass)
 
     def wrap(self, value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         """``value`` as the module holds it: a Parameter of the original class if it was one."""
@@ -172,10 +173,10 @@ def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) ->
     if is_tensor_subclass(tensor):
         meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
         if not is_parameter:
-            return Slot(meta, False)
+            return Slot(meta, False, nbytes=stored_nbytes(tensor))
         placeholder = OffloadedParameter(meta, requires_grad=tensor.requires_grad)
         placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
-        return Slot(placeholder, True, nn.Parameter, None)
+        return Slot(placeholder, True, nn.Parameter, None, stored_nbytes(tensor))
     meta = tensor.detach().to("meta")
     if not is_parameter:
         return Slot(meta, False)
