@@ -15,6 +15,12 @@ one outside its module's forward (a parent module reading ``self.child.weight`` 
 value is loaded from the weights map for that op, with a one-time warning suggesting
 ``preload_module_classes``.  Inside :func:`placeholders_stay_meta` they act as plain meta
 tensors (a model-wide cast changes their dtype without reading any value).
+
+A wrapper tensor subclass (torchao's quantized weights) gets a *plain* meta placeholder of its
+outer shape and dtype, not a subclass on ``meta``: most such subclasses implement neither
+``empty_like`` nor the ops a placeholder must answer on ``meta``, and a plain placeholder keeps
+everything above (casts, ``requires_grad``, ties, use outside the forward) working the same way.
+The value the module computes with in its forward is the subclass itself.
 """
 
 from __future__ import annotations
