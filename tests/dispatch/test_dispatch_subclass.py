@@ -196,3 +196,15 @@ def test_a_context_that_would_need_pickling_is_refused(tmp_path):
     with pytest.raises(TypeError, match=r"0\.weight.*pickling.*not 'disk'"):
         disk_offload(model, tmp_path, execution_device="cpu")
     assert not (tmp_path / "index.json").exists()
+
+
+def test_offload_quantization_leaves_already_quantized_weights_as_they_are(tmp_path):
+    model = quantized_sequential()
+    with torch.no_grad():
+        expected = model(X)
+    disk_offload(model, tmp_path, execution_device="cpu", offload_quantization="int8")
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert "subclass" in index["0.weight"] and "quantization" not in index["0.weight"]
+    with torch.no_grad():
+        assert torch.equal(model(X), expected)  # not quantized a second time
+    assert type(model[0].seen) is Int8Tensor
