@@ -232,6 +232,10 @@ def dispatch_model(
     modules are prefetched onto the device on a side stream, disk values through a bounded pinned
     staging buffer (:class:`~bigmodel.transfer.copies.DeviceStager`).  On the CPU nothing is copied.
 
+    Weights that already are quantized tensor subclasses (torchao's ``Int8Tensor``...) keep that
+    form: the hooks move the subclass (its inner tensors, rebuilt on the execution device), and
+    ``offload_dir`` stores its inner tensors with a JSON entry (:mod:`bigmodel.offload.subclass_format`).
+
     Returns:
         The model, with ``model.hf_device_map`` set.
 

@@ -5,7 +5,9 @@ Format (shared with the ecosystem): ``index.json`` maps each tensor name to eith
 - ``{"dtype": "bfloat16", "shape": [4096, 4096]}`` with the tensor's bytes in ``<name>.dat``
   (raw, C order, no header; any dtype, bf16/fp8 included, round-trips bit-exactly), or
 - ``{"safetensors_file": path, "weight_name": key, "dtype": "float16"}`` (bigmodel also
-  writes ``"shape"``) pointing into an existing safetensors file, which is never rewritten.
+  writes ``"shape"``) pointing into an existing safetensors file, which is never rewritten, or
+- a wrapper tensor subclass (torchao's quantized weights) stored as its plain parts, see
+  :mod:`bigmodel.offload.subclass_format`.
 
 A tensor name maps to its file through :func:`dat_path`: a ``/`` in the name (torch module
 names may hold one) makes subfolders, and names that would leave the folder (``..``, absolute
@@ -26,6 +28,7 @@ import torch
 
 from ..checkpoints.files import SafetensorsFile
 from ..core.file_maps import map_file, read_bytes
+from .subclass_format import part_files, rebuild
 
 INDEX_NAME = "index.json"
 
@@ -97,6 +100,8 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
     """
     if "safetensors_file" in weight_info:
         return _read_safetensors_entry(weight_info, Path(weight_file).stem, {})
+    if isinstance(weight_info.get("subclass"), Mapping):
+        return _read_subclass(Path(weight_file), weight_info)
     path = Path(weight_file)
     dtype = parse_dtype(weight_info.get("dtype", ""), f"offload entry for {str(path)!r}")
     shape = tuple(int(d) for d in weight_info.get("shape", ()))
@@ -115,6 +120,16 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
     if storage is None:
         return read_bytes(path, 0, nbytes).view(dtype).reshape(shape)
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).view(dtype).reshape(shape)
+
+
+def _read_subclass(weight_file: Path, weight_info: Mapping[str, Any]) -> torch.Tensor:
+    """A wrapper tensor subclass entry: its parts (``<name>#<part>.dat`` beside ``weight_file``), rebuilt."""
+    name = weight_file.name.removesuffix(".dat")  # the last part of the tensor name: its parts lie beside it
+    parts = {
+        path: load_offloaded_weight(weight_file.with_name(f"{part}.dat"), info)
+        for path, (part, info) in part_files(weight_file.parent, name, weight_info).items()
+    }
+    return rebuild(weight_info, name, parts)
 
 
 def _safetensors_path(info: Mapping[str, Any], folder: Path | None) -> str:
