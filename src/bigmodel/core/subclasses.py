@@ -84,11 +84,12 @@ def check_flattenable(tensor: torch.Tensor, where: str, pinning: bool = False) -
 
 def _cannot_flatten(tensor: torch.Tensor, where: str, why: str, pinning: bool = False) -> str:
     cls = type(tensor)
-    what, fix = (
-        ("pinned in host memory and copied to the accelerator", "keep its module on the accelerator (in a device "
-         "map: map it to the main device, not 'cpu' or 'disk'; or pass main_device='cpu')") if pinning else
-        ("stored", "keep its module in memory (map it to 'cpu' or an accelerator, not 'disk')")
-    )  # fmt: skip
+    if pinning:
+        what = "pinned in host memory and copied to the accelerator"
+        fix = ("keep its module on the accelerator (in a device map: map it to the main device, not 'cpu' or "
+               "'disk'; or pass main_device='cpu')")
+    else:
+        what, fix = "stored", "keep its module in memory (map it to 'cpu' or an accelerator, not 'disk')"
     return (
         f"{where!r} is a {cls.__module__}.{cls.__qualname__} tensor subclass whose values cannot be {what} as plain "
         f"tensors ({why}); {fix}, or use a subclass implementing torch's __tensor_flatten__/__tensor_unflatten__ "

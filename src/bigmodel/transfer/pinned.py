@@ -29,7 +29,12 @@ import torch
 from torch import nn
 
 from ..core.devices import accelerator_type
-from ..core.subclasses import check_flattenable, flatten_tensor, is_tensor_subclass, unflatten_tensor
+from ..core.subclasses import (
+    check_flattenable,
+    flatten_tensor,
+    is_tensor_subclass,
+    unflatten_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
