@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from _opaque_tensor import Opaque
 from torch import nn
 
 torchao_quantization = pytest.importorskip("torchao.quantization")
@@ -162,23 +163,6 @@ def test_dispatch_model_with_cpu_and_disk_entries(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(X), expected)
     assert type(model[2].seen) is Int8Tensor and is_mapped(model[2].seen.qdata)
-
-
-class Opaque(torch.Tensor):
-    """A wrapper subclass that intercepts every op but cannot be taken apart (no __tensor_flatten__)."""
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor):
-        out = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
-        out.data_ = data
-        return out
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda t: t.data_ if isinstance(t, Opaque) else t  # noqa: E731
-        if func is torch.ops.aten.detach.default:
-            return Opaque(unwrap(args[0]).detach())
-        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
 
 
 def test_a_subclass_that_cannot_be_flattened_is_refused_naming_the_module(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _fake_accelerator import dispatch_as_accelerator, install
+from _opaque_tensor import Opaque
 from torch import nn
 
 torchao_quantization = pytest.importorskip("torchao.quantization")
@@ -78,3 +79,28 @@ def test_disk_offload_towards_an_accelerator(fake, tmp_path):
         expected = model(X)
     disk_offload(model, tmp_path, execution_device="cpu")
     _run_twice(fake, model, expected)
+
+
+def opaque_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    model[0].weight = nn.Parameter(Opaque(torch.randn(4, 4)), requires_grad=False)
+    return model
+
+
+@pytest.mark.parametrize("how", ["dispatch_model", "dispatch_model_state_dict", "cpu_offload"])
+def test_a_subclass_that_cannot_be_split_is_refused_before_anything_is_pinned(fake, tmp_path, how):
+    model = opaque_model()
+    params = dict(model.named_parameters())
+    with pytest.raises(TypeError, match=r"'0\.weight' is a _opaque_tensor\.Opaque tensor subclass whose values cannot "
+                                        r"be pinned .*__tensor_flatten__.*keep its module on the accelerator"):
+        if how == "cpu_offload":
+            cpu_offload(model, "cpu")
+        else:
+            dispatch_model(model, {"0": "cpu", "1": "cpu", "2": "disk"}, main_device="cpu", offload_dir=tmp_path,
+                           state_dict=model.state_dict() if how == "dispatch_model_state_dict" else None)
+    assert fake.pinned == []  # no arena was pinned
+    assert dict(model.named_parameters()) == params and type(model[0].weight) is Opaque
+    assert not model[2].weight.is_pinned() and not model[0].bias.is_pinned()
+    assert all(not hasattr(m, "_hf_hook") for m in model.modules())
+    assert list(tmp_path.iterdir()) == []  # nothing written for the disk entry either

@@ -89,3 +89,24 @@ def test_load_checkpoint_and_dispatch_a_quantized_checkpoint_into_a_meta_model(r
     assert type(model.model.layers[0].mlp.up_proj.weight) is torchao_quantization.Int8Tensor  # in RAM, as loaded
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, expected)
+
+
+def test_a_user_file_named_like_a_part_in_the_checkpoint_folder_is_never_overwritten(reference, tmp_path):
+    source, expected = reference
+    checkpoint = tmp_path / "pytorch_model.bin"
+    torch.save(source.state_dict(), checkpoint)
+    stray = tmp_path / "model.layers.3.mlp.up_proj.weight#qdata.dat"  # what the offload would write for that part
+    stray.write_bytes(b"the user's own bytes")
+    with pytest.raises(ValueError, match=r"'model\.layers\.3\.mlp\.up_proj\.weight#qdata\.dat' already exists .*"
+                                         r"never overwrites a file it did not write; pass another offload_folder"):
+        load_checkpoint_and_dispatch(quantized_llama(meta=True), str(checkpoint), device_map=_plan(quantized_llama(meta=True)),
+                                     offload_folder=str(tmp_path))
+    assert stray.read_bytes() == b"the user's own bytes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [stray.name, "pytorch_model.bin"]  # nothing written
+    stray.unlink()
+    for _ in range(2):  # the second time the folder holds the offload's own part files: they are rewritten
+        model = quantized_llama(meta=True)
+        model = load_checkpoint_and_dispatch(model, str(checkpoint), device_map=_plan(model), offload_folder=str(tmp_path))
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, expected)
+    assert stray.is_file()  # written by the offload this time

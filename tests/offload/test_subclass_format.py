@@ -138,3 +138,20 @@ def test_a_truncated_part_file_is_refused_naming_it(tmp_path):
     (tmp_path / "w#b.dat").write_bytes(b"\0" * 8)
     with pytest.raises(ValueError, match=r"w#b\.dat.*offload again"):
         load_offloaded_weight(dat_path(tmp_path, "w"), index["w"])
+
+
+def test_the_overwrite_guard_tells_part_files_of_an_offload_from_a_users(tmp_path):
+    from bigmodel.offload.format import files_no_offload_wrote
+    from bigmodel.offload.storage import offload_state_dict
+
+    offload_state_dict(tmp_path, {"w": nested_pair(), "sub/v": nested_pair()})
+    names = ["w", "sub/v", "other"]
+    assert files_no_offload_wrote(tmp_path, names) == []  # the offload's own parts (w#a.a.dat, sub/v#b.dat ...)
+    users = [tmp_path / "w#c.dat", tmp_path / "sub" / "v#notes.dat", tmp_path / "other#a.dat",
+             tmp_path / "other@scale.dat", tmp_path / "w.dat"]  # w is stored as parts: w.dat is no offload's
+    for path in users:
+        path.write_bytes(b"mine")
+    assert sorted(files_no_offload_wrote(tmp_path, names)) == sorted(users)
+    (tmp_path / "other#a.dat.bak").write_bytes(b"mine")  # not a .dat name: never written, never reported
+    (tmp_path / "otherwise#a.dat").write_bytes(b"mine")  # another tensor's name
+    assert sorted(files_no_offload_wrote(tmp_path, names)) == sorted(users)

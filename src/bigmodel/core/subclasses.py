@@ -58,12 +58,14 @@ def _overrides_dispatch(tensor: torch.Tensor) -> bool:
     return own is not None and getattr(own, "__func__", own) is not getattr(base, "__func__", base)
 
 
-def check_flattenable(tensor: torch.Tensor, where: str) -> None:
-    """Refuse a tensor subclass whose values cannot be stored as plain tensors.
+def check_flattenable(tensor: torch.Tensor, where: str, pinning: bool = False) -> None:
+    """Refuse a tensor subclass whose values cannot be stored (or pinned and copied) as plain tensors.
 
     Args:
         tensor: any tensor.
         where: the tensor's name (``"model.layers.0.mlp.up_proj.weight"``), used in the error.
+        pinning: the tensor is to be pinned in host memory and copied to an accelerator (the
+            error then says how to keep it off that path), not written to an offload folder.
 
     Raises:
         TypeError: ``tensor``'s class intercepts ops (``__torch_dispatch__``) but does not implement
@@ -71,19 +73,27 @@ def check_flattenable(tensor: torch.Tensor, where: str) -> None:
             than tensors (names the tensor, its class and the fix).
     """
     if is_tensor_subclass(tensor):
-        flatten_tensor(tensor, where)
+        flatten_tensor(tensor, where, pinning)
         return
-    if isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter) and _overrides_dispatch(tensor):
-        raise TypeError(_cannot_flatten(tensor, where, "it does not implement __tensor_flatten__/__tensor_unflatten__"))
+    # issubclass, not isinstance: nn.Parameter(subclass) keeps the subclass's type, with only a flag that
+    # makes isinstance(..., nn.Parameter) true; real Parameter subclasses (bitsandbytes') keep their storage.
+    if isinstance(tensor, torch.Tensor) and not issubclass(type(tensor), nn.Parameter) and _overrides_dispatch(tensor):
+        why = "it does not implement __tensor_flatten__/__tensor_unflatten__"
+        raise TypeError(_cannot_flatten(tensor, where, why, pinning))
 
 
-def _cannot_flatten(tensor: torch.Tensor, where: str, why: str) -> str:
+def _cannot_flatten(tensor: torch.Tensor, where: str, why: str, pinning: bool = False) -> str:
     cls = type(tensor)
+    if pinning:
+        what = "pinned in host memory and copied to the accelerator"
+        fix = ("keep its module on the accelerator (in a device map: map it to the main device, not 'cpu' or "
+               "'disk'; or pass main_device='cpu')")
+    else:
+        what, fix = "stored", "keep its module in memory (map it to 'cpu' or an accelerator, not 'disk')"
     return (
-        f"{where!r} is a {cls.__module__}.{cls.__qualname__} tensor subclass whose values cannot be stored as plain "
-        f"tensors ({why}); keep its module in memory (map it to 'cpu' or an accelerator, not 'disk'), or use a "
-        "subclass implementing torch's __tensor_flatten__/__tensor_unflatten__ protocol (torchao's quantized "
-        "tensors do)."
+        f"{where!r} is a {cls.__module__}.{cls.__qualname__} tensor subclass whose values cannot be {what} as plain "
+        f"tensors ({why}); {fix}, or use a subclass implementing torch's __tensor_flatten__/__tensor_unflatten__ "
+        "protocol (torchao's quantized tensors do)."
     )
 
 
@@ -114,7 +124,9 @@ class SubclassSpec:
         return names
 
 
-def flatten_tensor(tensor: torch.Tensor, where: str = "tensor") -> tuple[dict[str, torch.Tensor], SubclassSpec]:
+def flatten_tensor(
+    tensor: torch.Tensor, where: str = "tensor", pinning: bool = False
+) -> tuple[dict[str, torch.Tensor], SubclassSpec]:
     """Take a wrapper subclass apart: its plain parts (by dotted path) and the spec that rebuilds it.
 
     Nothing is copied: the parts are the subclass's own inner tensors.
@@ -122,6 +134,7 @@ def flatten_tensor(tensor: torch.Tensor, where: str = "tensor") -> tuple[dict[st
     Args:
         tensor: a tensor for which :func:`is_tensor_subclass` holds.
         where: its name, for errors.
+        pinning: the error's fix is for pinning, not storing (see :func:`check_flattenable`).
 
     Returns:
         ``(parts, spec)``; ``unflatten_tensor(spec, parts)`` is an equal tensor of the same class.
@@ -133,14 +146,14 @@ def flatten_tensor(tensor: torch.Tensor, where: str = "tensor") -> tuple[dict[st
         names, context = tensor.__tensor_flatten__()
         inner = {str(name): getattr(tensor, name) for name in names}
     except Exception as err:  # a third-party protocol implementation: report any failure the same way
-        raise TypeError(_cannot_flatten(tensor, where, f"__tensor_flatten__ failed: {err}")) from err
+        raise TypeError(_cannot_flatten(tensor, where, f"__tensor_flatten__ failed: {err}", pinning)) from err
     parts: dict[str, torch.Tensor] = {}
     specs: dict[str, SubclassSpec | None] = {}
     for name, value in inner.items():
         if not isinstance(value, torch.Tensor):
-            raise TypeError(_cannot_flatten(tensor, where, f"its inner {name!r} is a {type(value).__name__}"))
+            raise TypeError(_cannot_flatten(tensor, where, f"its inner {name!r} is a {type(value).__name__}", pinning))
         if is_tensor_subclass(value):
-            sub_parts, specs[name] = flatten_tensor(value, f"{where}.{name}")
+            sub_parts, specs[name] = flatten_tensor(value, f"{where}.{name}", pinning)
             parts.update({f"{name}.{k}": v for k, v in sub_parts.items()})
         else:
             specs[name] = None

@@ -38,7 +38,7 @@ from ..offload.storage import (
     parse_dtype,
 )
 from ..offload.subclass_format import is_subclass_entry, part_files, same_form
-from ..transfer.pinned import pin_module_tensors, pin_tensors
+from ..transfer.pinned import check_pinnable, pin_module_tensors, pin_tensors
 from .quantized_offload import quantize_in_ram, store_on_disk, wrap_weights_map
 from .redispatch import (
     _enable_prefetch,
@@ -206,10 +206,14 @@ def cpu_offload(
     Raises:
         ValueError: ``execution_device`` is not a device spec (names it and the accepted forms), or
             an unknown ``offload_quantization``.
+        TypeError: ``execution_device`` is an accelerator and a weight is a tensor subclass that
+            cannot be pinned as plain tensors (names it and the fix; nothing is pinned).
     """
     form = check_form(offload_quantization)
     _undispatch(model, "cpu_offload")
     device = execution_device if execution_device is not None else _default_device(model)
+    if _runs_on_accelerator(device):  # refused before anything is pinned
+        check_pinnable([*model.state_dict(keep_vars=True).items(), *(state_dict or {}).items()])
     if state_dict is None:
         if _runs_on_accelerator(device):
             pin_module_tensors(model)  # in place, an arena at a time: the model is never in RAM twice

@@ -29,6 +29,7 @@ import torch
 
 from ..core.subclasses import flatten_tensor, is_tensor_subclass, unflatten_tensor
 from .format import (
+    QUANTIZED_PART_SEP,
     dat_path,
     dtype_name,
     load_offload_index,
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 def part_name(name: str, part: str) -> str:
     """The offload-folder name of one stored part: ``name`` for the data, ``name@scale`` ... for the others."""
-    return name if part == "data" else f"{name}@{part}"
+    return name if part == "data" else f"{name}{QUANTIZED_PART_SEP}{part}"
 
 
 def quantized_entry(weight: torch.Tensor, stored: QuantizedWeight, digest: str) -> dict:

@@ -29,7 +29,12 @@ import torch
 from torch import nn
 
 from ..core.devices import accelerator_type
-from ..core.subclasses import flatten_tensor, is_tensor_subclass, unflatten_tensor
+from ..core.subclasses import (
+    check_flattenable,
+    flatten_tensor,
+    is_tensor_subclass,
+    unflatten_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +203,22 @@ def _fill_arenas(first: dict[tuple, torch.Tensor], place: Any) -> int:
     return done
 
 
+def check_pinnable(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse, before anything is pinned, a CPU tensor whose values pinning cannot reach.
+
+    Args:
+        tensors: ``(name, tensor)`` pairs (a state dict's ``items()``); tensors not on the CPU are skipped.
+
+    Raises:
+        TypeError: a tensor subclass that intercepts ops (``__torch_dispatch__``) without implementing
+            ``__tensor_flatten__``/``__tensor_unflatten__`` (its own storage holds no values, and its
+            parts cannot be named), or whose ``__tensor_flatten__`` fails; names the tensor and the fix.
+    """
+    for name, tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            check_flattenable(tensor, name, pinning=True)
+
+
 def pin_tensors(tensors: Mapping[str, torch.Tensor], enabled: bool = True, *,
                 owner: object | None = None) -> dict[str, torch.Tensor]:
     """Page-locked copies of CPU tensors, for asynchronous host→device copies.
@@ -225,9 +246,12 @@ def pin_tensors(tensors: Mapping[str, torch.Tensor], enabled: bool = True, *,
 
     Raises:
         ValueError: if ``BIGMODEL_PIN_MEMORY`` is not a switch.
+        TypeError: a CPU tensor is a subclass that cannot be pinned (see :func:`check_pinnable`);
+            raised before anything is pinned.
     """
     if not pin_memory_enabled(enabled):
         return dict(tensors)
+    check_pinnable(tensors.items())
     if any(is_tensor_subclass(t) for t in tensors.values()):
         return _pin_subclasses(tensors, owner)
     todo, first = _group_by_data(
