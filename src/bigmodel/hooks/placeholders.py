@@ -42,7 +42,10 @@ from ..core.subclasses import is_tensor_subclass, stored_nbytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadedParameter", "Slot", "make_slot", "placeholder_state", "placeholders_stay_meta"]
+__all__ = [
+    "OffloadedParameter", "Slot", "make_slot", "placeholder_state", "placeholders_report_execution_device",
+    "placeholders_stay_meta",
+]
 
 # Tensor attributes/methods that only read metadata: a placeholder answers them itself (meta).
 _METADATA = frozenset(
@@ -70,8 +73,11 @@ class OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            if _func_name(func) not in _METADATA and not getattr(_LOCAL, "stay_meta", False):
+            name = _func_name(func)
+            if name not in _METADATA and not getattr(_LOCAL, "stay_meta", False):
                 args, kwargs = tree_map(_materialize, (args, kwargs))
+            elif name == "device" and getattr(_LOCAL, "report_device", False) and args:
+                return _execution_device(args[0]) or func(*args, **kwargs)
             return func(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> OffloadedParameter:
@@ -97,6 +103,33 @@ def placeholders_stay_meta() -> Iterator[None]:
         yield
     finally:
         _LOCAL.stay_meta = previous
+
+
+@contextlib.contextmanager
+def placeholders_report_execution_device() -> Iterator[None]:
+    """Inside the context (this thread), ``placeholder.device`` is where its module computes.
+
+    For code that places new tensors "next to" a layer's weight (peft puts each new adapter on
+    ``base_layer.weight.device``): an offloaded weight then answers its hook's execution device
+    (the CPU for a hook without one) instead of ``meta``, so what is put there keeps its values.
+    Everything else about the placeholder is unchanged: it is still on ``meta`` (``is_meta``,
+    ``state_dict()``), and an op that uses it loads its value as outside the context.
+    """
+    previous = getattr(_LOCAL, "report_device", False)
+    _LOCAL.report_device = True
+    try:
+        yield
+    finally:
+        _LOCAL.report_device = previous
+
+
+def _execution_device(placeholder: torch.Tensor) -> torch.device | None:
+    """The execution device of the hook that loads ``placeholder``'s value (None: no such hook)."""
+    source = placeholder.__dict__.get("_bm_source")
+    hook = source[0]() if source else None
+    if hook is None:
+        return None
+    return hook.device or torch.device("cpu")
 
 
 def _materialize(obj: Any) -> Any:
