@@ -43,8 +43,8 @@ from ..core.subclasses import is_tensor_subclass, stored_nbytes
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "OffloadedParameter", "Slot", "make_slot", "placeholder_state", "placeholders_report_execution_device",
-    "placeholders_stay_meta",
+    "OffloadedParameter", "Slot", "make_slot", "offload_source", "placeholder_state",
+    "placeholders_report_execution_device", "placeholders_stay_meta",
 ]
 
 # Tensor attributes/methods that only read metadata: a placeholder answers them itself (meta).
@@ -132,6 +132,14 @@ def _execution_device(placeholder: torch.Tensor) -> torch.device | None:
     return hook.device or torch.device("cpu")
 
 
+def offload_source(tensor: torch.Tensor) -> tuple[Any, str] | None:
+    """``(hook, name)``: the offloading hook that loads placeholder ``tensor``'s value and the tensor's
+    name relative to the hook's module; None for any other tensor (or when that hook is gone)."""
+    source = tensor.__dict__.get("_bm_source") if isinstance(tensor, OffloadedParameter) else None
+    hook = source[0]() if source else None
+    return None if hook is None else (hook, source[1])
+
+
 def _materialize(obj: Any) -> Any:
     if not isinstance(obj, OffloadedParameter) or obj.device.type != "meta":
         return obj
@@ -171,6 +179,13 @@ class Slot:
     param_type: type = torch.Tensor
     extra: dict | None = None  # __dict__ settings of a Parameter subclass (quantised weights)
     nbytes: int | None = None  # bytes of the value when not the placeholder's numel × itemsize (a wrapper subclass)
+    round_to: torch.dtype | None = None  # each load rounds the stored value to it first (layerwise casting)
+
+    def rounded(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` rounded to :attr:`round_to` (unchanged when there is none, or it is not floating)."""
+        if self.round_to is None or value.dtype == self.round_to or not value.is_floating_point():
+            return value
+        return value.to(self.round_to)
 
     def wrap(self, value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         """``value`` as the module holds it: a Parameter of the original class if it was one."""
@@ -217,6 +232,9 @@ def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) ->
         placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
         return Slot(placeholder, True, nn.Parameter, None, stored_nbytes(tensor))
     meta = tensor.detach().to("meta")
+    source = offload_source(tensor)
+    old_slot = source[0].slot(source[1]) if source is not None else None
+    round_to = old_slot.round_to if old_slot is not None else None  # offloaded again: still rounded
     if not is_parameter:
         return Slot(meta, False)
     extra = {k: v for k, v in tensor.__dict__.items() if k not in ("requires_grad", "_bm_source")}
@@ -226,4 +244,4 @@ def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) ->
         placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
     else:  # quantised parameter subclasses keep their own type on meta
         placeholder = param_type(meta, requires_grad=tensor.requires_grad, **extra)
-    return Slot(placeholder, True, param_type, extra)
+    return Slot(placeholder, True, param_type, extra, round_to=round_to)
