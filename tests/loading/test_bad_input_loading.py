@@ -108,12 +108,6 @@ def test_the_index_decides_which_shard_a_duplicated_tensor_comes_from(tmp_path):
     assert torch.equal(model.a.weight, state["a.weight"])  # bigmodel loads the zeros of m-1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core.tensors.loaded_dtype keeps an integer/bool checkpoint tensor's dtype even for a floating "
-    "model tensor: the Linear ends up with an int64 weight (its forward then fails). accelerate and torch's "
-    "load_state_dict cast to the model's dtype when dtype is None. core/tensors.py is being edited by i12.",
-)
 @pytest.mark.parametrize("stored", [torch.int64, torch.bool])
 def test_an_integer_checkpoint_tensor_takes_the_floating_model_dtype(tmp_path, stored):
     state = _state()
@@ -123,3 +117,21 @@ def test_an_integer_checkpoint_tensor_takes_the_floating_model_dtype(tmp_path, s
     load_checkpoint_in_model(model, tmp_path)
     assert model.a.weight.dtype == torch.float32
     assert torch.equal(model.a.weight, state["a.weight"].to(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("device_map", [{"": "cpu"}, {"a": "disk", "b": "cpu"}])
+def test_an_integer_checkpoint_tensor_is_a_float_in_memory_and_on_disk(tmp_path, device_map, dtype):
+    state = _state()
+    state["a.weight"] = (state["a.weight"] * 10).to(torch.int64)
+    save_file(state, tmp_path / "model.safetensors")
+    with init_empty_weights():
+        model = Net()
+    load_checkpoint_and_dispatch(model, tmp_path, device_map=device_map, offload_folder=tmp_path / "off", dtype=dtype)
+    expected = dtype or torch.float32
+    assert model.a.weight.dtype == expected
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0), dtype=expected)
+    reference = Net().to(expected)
+    reference.load_state_dict({k: v.to(expected) for k, v in state.items()})
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
