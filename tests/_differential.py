@@ -341,14 +341,7 @@ class KnownBug:
     witness: tuple[str, str, tuple[str, ...]]
 
 
-KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug(
-        "Layerwise casting, then a model-wide cast (.to(float64)): the offloaded weights take float64 while the "
-        "plain model's keep the storage dtype (float8) -- which of the two is right is undecided",
-        lambda case, path, op: "casting" in path.split("+") and op in ("to_float64", "to_bfloat16", "double"),
-        ("mlp", "casting+cpu_offload", ("to_float64", "state_dict")),
-    ),
-)
+KNOWN_BUGS: tuple[KnownBug, ...] = ()
 
 
 def known_bug(case: str, path: str, op: str) -> KnownBug | None:

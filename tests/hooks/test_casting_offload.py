@@ -197,3 +197,58 @@ def test_cast_then_offload_keeps_a_tied_head_tied(tmp_path):
     disk_offload(model, tmp_path)
     with torch.no_grad():
         assert torch.equal(model(ids), expected(ids))
+
+
+# --- a model-wide cast after layerwise casting ---------------------------------------------------
+
+
+class Chain(nn.Module):
+    """Only supported layers: after ``.to(torch.float64)`` a float32 input still runs (compute dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = Recording(8, 16), Recording(16, 16), Recording(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+CHAIN_OFFLOADS = {
+    "b_on_disk": lambda m, tmp: dispatch_model(m, {"a": "cpu", "b": "disk", "c": "cpu"}, offload_dir=tmp),
+    "all_on_disk": lambda m, tmp: dispatch_model(m, {"a": "disk", "b": "disk", "c": "disk"}, offload_dir=tmp),
+    "cpu_offload": lambda m, tmp: cpu_offload(m),
+    "disk_offload": lambda m, tmp: disk_offload(m, tmp),
+    "preloaded": lambda m, tmp: dispatch_model(m, {"": "disk"}, offload_dir=tmp, preload_module_classes=["Chain"]),
+}
+
+
+def dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    return {name: value.dtype for name, value in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("cast", ["to_float64", "double", "to_bfloat16"])
+@pytest.mark.parametrize("order", ["offload_first", "cast_first"])
+@pytest.mark.parametrize("offload", list(CHAIN_OFFLOADS))
+def test_a_model_wide_cast_lasts_until_the_next_forward_as_on_the_plain_model(offload, order, cast, tmp_path):
+    """diffusers' rule, with or without offload: the cast changes the weights' dtype; the next forward
+    computes with them rounded to the storage dtype and stores them in it again."""
+    apply = {"to_float64": lambda m: m.to(torch.float64), "double": lambda m: m.double(),
+             "to_bfloat16": lambda m: m.to(torch.bfloat16)}[cast]  # fmt: skip
+    torch.manual_seed(0)
+    plain = Chain().eval()
+    model = copy.deepcopy(plain)
+    attach_layerwise_casting_hooks(plain, STORAGE, COMPUTE)
+    expected = run(plain)
+    if order == "cast_first":
+        attach_layerwise_casting_hooks(model, STORAGE, COMPUTE)
+    CHAIN_OFFLOADS[offload](model, tmp_path / "offload")
+    if order == "offload_first":
+        attach_layerwise_casting_hooks(model, STORAGE, COMPUTE)
+    apply(plain)
+    apply(model)
+    assert dtypes(model) == dtypes(plain) == dict.fromkeys(dtypes(plain), torch.float64 if "64" in cast or
+                                                           cast == "double" else torch.bfloat16)  # fmt: skip
+    for _ in range(2):
+        assert torch.equal(run(plain), expected)
+        assert torch.equal(run(model), expected)
+        assert dtypes(model) == dtypes(plain) == dict.fromkeys(dtypes(plain), STORAGE)

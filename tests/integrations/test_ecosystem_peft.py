@@ -90,3 +90,36 @@ def test_checkpoint_files_are_not_touched_by_merging(folders, tmp_path: Path) ->
         model = offloaded_peft(folders, tmp_path)
         model.merge_and_unload()
     assert {p.name: p.read_bytes() for p in folders[0].iterdir() if p.is_file()} == before
+
+
+LAZY_PEFT = """
+import sys, torch, transformers
+from bigmodel import cpu_offload
+from bigmodel.integrations import use_bigmodel
+
+with use_bigmodel():
+    assert "peft" not in sys.modules
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = cpu_offload(transformers.LlamaForCausalLM(config).eval())
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        base = model(ids).logits
+    import peft  # imported after use_bigmodel(): patched on import
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj"], r=2))
+    assert not [n for n, p in peft_model.named_parameters() if "lora_" in n and p.is_meta]
+    with torch.no_grad():
+        assert torch.equal(peft_model(ids).logits, base)
+assert not hasattr(peft.tuners.tuners_utils.BaseTuner.inject_adapter, "__wrapped__")
+print("ok")
+"""
+
+
+def test_peft_imported_after_use_bigmodel_creates_adapters_on_the_execution_device() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LAZY_PEFT], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")

@@ -87,14 +87,6 @@ def test_existing_devices_still_load(checkpoint):
     assert torch.equal(model.b.weight, _state()["b.weight"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A tensor present in two shards is taken from the first shard read (files.read_tensor_infos / "
-    "iter_checkpoint_tensors keep the first), even when the index names the other shard: a stale copy "
-    "silently wins. accelerate loads whole shards in sorted order (the index's shard wins here). Fix: pass "
-    "the index's name -> shard map from checkpoints.resolve to both readers and take each listed name from "
-    "its shard (touches loading/loader.py, edited by other branches).",
-)
 def test_the_index_decides_which_shard_a_duplicated_tensor_comes_from(tmp_path):
     state = _state()
     stale = {k: torch.zeros_like(v) for k, v in state.items() if k.startswith("a.")}
@@ -108,12 +100,40 @@ def test_the_index_decides_which_shard_a_duplicated_tensor_comes_from(tmp_path):
     assert torch.equal(model.a.weight, state["a.weight"])  # bigmodel loads the zeros of m-1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core.tensors.loaded_dtype keeps an integer/bool checkpoint tensor's dtype even for a floating "
-    "model tensor: the Linear ends up with an int64 weight (its forward then fails). accelerate and torch's "
-    "load_state_dict cast to the model's dtype when dtype is None. core/tensors.py is being edited by i12.",
-)
+def _save(tensors: dict, path: Path) -> None:
+    if path.suffix == ".bin":
+        torch.save(tensors, path)
+    else:
+        save_file(tensors, path)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
+@pytest.mark.parametrize("device_map", [None, {"a": "disk", "b": "cpu"}])
+def test_a_stale_copy_in_another_shard_never_wins(tmp_path, suffix, device_map):
+    """The stale copy comes first (m-1), in memory and on disk; a tensor the index names in a shard that
+    lacks it (b.bias: named in m-1, stored in m-2 only) is still read, from the shard that has it."""
+    state = _state()
+    stale = {k: torch.zeros_like(v) for k, v in state.items() if k.startswith("a.")}
+    _save({**stale, "b.weight": state["b.weight"]}, tmp_path / f"m-1{suffix}")
+    _save({k: state[k] for k in ("a.weight", "a.bias", "b.bias")}, tmp_path / f"m-2{suffix}")
+    weight_map = {"b.weight": f"m-1{suffix}", "a.weight": f"m-2{suffix}", "a.bias": f"m-2{suffix}",
+                  "b.bias": f"m-1{suffix}"}  # fmt: skip
+    index = tmp_path / f"model{suffix}.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with init_empty_weights():
+        model = Net()
+    if device_map is None:
+        model = Net()
+        load_checkpoint_in_model(model, index)
+    else:
+        load_checkpoint_and_dispatch(model, index, device_map=device_map, offload_folder=tmp_path / "off")
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    reference = Net()
+    reference.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
 @pytest.mark.parametrize("stored", [torch.int64, torch.bool])
 def test_an_integer_checkpoint_tensor_takes_the_floating_model_dtype(tmp_path, stored):
     state = _state()
@@ -123,3 +143,21 @@ def test_an_integer_checkpoint_tensor_takes_the_floating_model_dtype(tmp_path, s
     load_checkpoint_in_model(model, tmp_path)
     assert model.a.weight.dtype == torch.float32
     assert torch.equal(model.a.weight, state["a.weight"].to(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("device_map", [{"": "cpu"}, {"a": "disk", "b": "cpu"}])
+def test_an_integer_checkpoint_tensor_is_a_float_in_memory_and_on_disk(tmp_path, device_map, dtype):
+    state = _state()
+    state["a.weight"] = (state["a.weight"] * 10).to(torch.int64)
+    save_file(state, tmp_path / "model.safetensors")
+    with init_empty_weights():
+        model = Net()
+    load_checkpoint_and_dispatch(model, tmp_path, device_map=device_map, offload_folder=tmp_path / "off", dtype=dtype)
+    expected = dtype or torch.float32
+    assert model.a.weight.dtype == expected
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0), dtype=expected)
+    reference = Net().to(expected)
+    reference.load_state_dict({k: v.to(expected) for k, v in state.items()})
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))

@@ -195,7 +195,9 @@ def read_tensor_infos(
     """Name, dtype, shape and file of every tensor of a checkpoint, validating each file.
 
     Safetensors files are read from their header only; torch pickles are memory-mapped
-    when possible.  A name in several files keeps its first file (a warning is logged).
+    when possible.  A name in several files comes from the shard the checkpoint's index names
+    for it (``files.shard_of``, see :class:`~bigmodel.checkpoints.resolve.CheckpointFiles`) when
+    that shard holds it, else from its first file (a warning is logged either way).
 
     Args:
         files: the weight files (from :func:`resolve_checkpoint_files`).
@@ -206,6 +208,7 @@ def read_tensor_infos(
         ValueError / pickle.UnpicklingError: a file is corrupted or unsafe (names the file).
     """
     infos: dict[str, TensorInfo] = {}
+    shard_of = getattr(files, "shard_of", {})
     for path in files:
         if path.suffix == SAFETENSORS_SUFFIX:
             file_infos = SafetensorsFile(path).infos()
@@ -217,8 +220,11 @@ def read_tensor_infos(
             del tensors
         for name, info in file_infos.items():
             if name in infos:
-                logger.warning("Tensor %r is in both %s and %s; using the first.", name, infos[name].file, path)
-                continue
+                indexed = shard_of.get(name) == path
+                logger.warning("Tensor %r is in both %s and %s; using %s.", name, infos[name].file, path,
+                               "the one the index names" if indexed else "the first")  # fmt: skip
+                if not indexed:
+                    continue
             infos[name] = info
     return infos
 
@@ -240,17 +246,23 @@ def iter_file_tensors(
 
 
 def iter_checkpoint_tensors(
-    files: Iterable[Path], loaded: dict[Path, dict[str, torch.Tensor]] | None = None
+    files: Iterable[Path],
+    loaded: dict[Path, dict[str, torch.Tensor]] | None = None,
+    sources: Mapping[str, Path] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of every file, one tensor at a time, on CPU.
 
     Tensors are views of memory-mapped files where the format allows (safetensors, zip
-    pickles); a name seen in an earlier file is skipped.  ``loaded``: see :func:`read_tensor_infos`.
+    pickles).  A name in several files is yielded once: from its file in ``sources`` (name →
+    file, the ``file`` of each :func:`read_tensor_infos` entry), else from its first file.
+    ``loaded``: see :func:`read_tensor_infos`.
     """
     seen: set[str] = set()
     for path in files:
-        for name, tensor in iter_file_tensors(Path(path), loaded):
-            if name not in seen:
+        path = Path(path)
+        for name, tensor in iter_file_tensors(path, loaded):
+            chosen = sources.get(name) if sources is not None else None
+            if name not in seen and (chosen is None or chosen == path):
                 seen.add(name)
                 yield name, tensor
 

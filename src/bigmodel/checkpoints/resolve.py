@@ -36,7 +36,17 @@ STANDARD_NAMES = (
 )
 
 
-def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
+class CheckpointFiles(list):
+    """The weight files of a checkpoint (a list of paths, in reading order), and ``shard_of``: tensor
+    name → the shard its index names (empty without an index).  A tensor stored in several shards is
+    read from the one the index names (:func:`bigmodel.checkpoints.files.read_tensor_infos`)."""
+
+    def __init__(self, files: list[Path], shard_of: Mapping[str, Path] | None = None) -> None:
+        super().__init__(files)
+        self.shard_of: dict[str, Path] = dict(shard_of or {})
+
+
+def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> CheckpointFiles:
     """The weight files of a checkpoint, in reading order.
 
     Args:
@@ -48,7 +58,8 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
 
     Returns:
         Absolute paths of the weight files (shards in the order the index first names them),
-        each under its own name (a link in a hub snapshot is not replaced by its blob).
+        each under its own name (a link in a hub snapshot is not replaced by its blob), as a
+        :class:`CheckpointFiles` list whose ``shard_of`` maps each tensor an index lists to its shard.
 
     Raises:
         FileNotFoundError: the checkpoint, or a shard named by its index, does not exist (a
@@ -75,7 +86,7 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
     if path.suffix == JSON_SUFFIX:
         return _index_shards(path, repo)
     if path.suffix in (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES):
-        return [path]
+        return CheckpointFiles([path])
     raise ValueError(
         f"Checkpoint file {str(path)!r} has an unknown type; expected .safetensors, .bin, .pt, .pth or a .json index."
     )
@@ -175,13 +186,15 @@ def _read_weight_map(index_path: Path) -> Mapping:
     return weight_map
 
 
-def _index_shards(index_path: Path, repo: Path | None) -> list[Path]:
+def _index_shards(index_path: Path, repo: Path | None) -> CheckpointFiles:
     """Validate a sharded checkpoint's index and return its shard files (``repo``: its hub repo folder, if any)."""
     weight_map = _read_weight_map(index_path)
     folder = index_path.parent
     shards: dict[str, Path] = {}
+    shard_of: dict[str, Path] = {}
     for key, shard in weight_map.items():
         if isinstance(shard, str) and shard in shards:
+            shard_of[str(key)] = shards[shard]
             continue
         if not _is_relative_name(shard):
             raise ValueError(
@@ -202,7 +215,8 @@ def _index_shards(index_path: Path, repo: Path | None) -> list[Path]:
                 "download or copy the missing shard."
             )
         shards[shard] = path
-    return list(shards.values())
+        shard_of[str(key)] = path
+    return CheckpointFiles(list(shards.values()), shard_of)
 
 
 def _is_relative_name(shard: object) -> bool:

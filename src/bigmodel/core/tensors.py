@@ -74,9 +74,14 @@ def get_submodule_and_name(module: nn.Module, tensor_name: str) -> tuple[nn.Modu
 
 
 def _cast(value: torch.Tensor, old: torch.Tensor | None, dtype: torch.dtype | None, non_blocking: bool) -> torch.Tensor:
-    """Floating values take ``dtype`` (or the old tensor's floating dtype); int/bool values keep theirs."""
+    """Floating values take ``dtype`` (or the old tensor's floating dtype); int/bool values keep theirs,
+    except into a floating old tensor (torch's ``load_state_dict`` copies them into it): they take
+    ``dtype`` if it is floating, else the old tensor's dtype."""
     if not value.is_floating_point():
-        return value
+        if old is None or not old.is_floating_point():
+            return value
+        target = dtype if dtype is not None and dtype.is_floating_point else old.dtype
+        return value.to(target, non_blocking=non_blocking)
     if dtype is not None:
         return value.to(dtype, non_blocking=non_blocking)
     if old is not None and old.is_floating_point() and old.dtype != value.dtype:
@@ -327,21 +332,25 @@ def loaded_dtype(
 ) -> torch.dtype:
     """The dtype a checkpoint tensor is stored in once loaded (the rule of ``load_checkpoint_in_model``).
 
-    Non-floating tensors keep the checkpoint's dtype; a floating checkpoint tensor for an
-    integer or bool model tensor (``position_ids`` saved as float16) takes the model's dtype, as
-    torch's ``load_state_dict`` copies it into the model's tensor; tensors under
-    ``keep_in_fp32`` modules become float32; else ``dtype`` if given; else, with
+    The model's tensor decides whether the value is a float, as torch's ``load_state_dict`` copies
+    a checkpoint tensor into the model's tensor: an integer or bool checkpoint tensor keeps its
+    dtype unless the model tensor is floating, and a floating checkpoint tensor for an integer or
+    bool model tensor (``position_ids`` saved as float16) takes the model's dtype.  A floating
+    value then becomes float32 under ``keep_in_fp32`` modules; else ``dtype`` if given; else, with
     ``use_model_dtype`` (tensors placed in memory), the model tensor's floating dtype; else the
-    checkpoint's dtype.
+    checkpoint's dtype (an integer or bool checkpoint tensor: the model tensor's dtype).
     """
+    model_floating = model_tensor is not None and model_tensor.is_floating_point()
     if not source_dtype.is_floating_point:
-        return source_dtype
-    if model_tensor is not None and not (model_tensor.is_floating_point() or model_tensor.is_complex()):
+        if not model_floating:
+            return source_dtype
+        fallback = model_tensor.dtype  # type: ignore[union-attr]  # an integer weight of a Linear computes nothing
+    elif model_tensor is not None and not (model_floating or model_tensor.is_complex()):
         return model_tensor.dtype
+    else:
+        fallback = model_tensor.dtype if use_model_dtype and model_floating else source_dtype  # type: ignore[union-attr]
     if matches_module(name, keep_in_fp32):
         return torch.float32
     if dtype is not None:
         return dtype
-    if use_model_dtype and model_tensor is not None and model_tensor.is_floating_point():
-        return model_tensor.dtype
-    return source_dtype
+    return fallback

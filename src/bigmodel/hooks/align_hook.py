@@ -46,6 +46,26 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         sub._buffers[attr] = tensor
 
 
+def _follow_held_dtype(module: nn.Module, name: str, slot: Slot) -> None:
+    """Give ``slot``'s placeholder the floating dtype of the value ``module`` holds for ``name`` (if it differs).
+
+    Called with torch functions of subclasses disabled (the placeholder is read and cast as a plain meta tensor).
+    """
+    sub, attr = get_submodule_and_name(module, name) if "." in name else (module, name)
+    held = sub._parameters.get(attr)
+    placeholder = slot.placeholder
+    if held is None or held is placeholder or held.dtype == placeholder.dtype:
+        return
+    if held.is_floating_point() and placeholder.is_floating_point():
+        placeholder.data = placeholder.data.to(held.dtype)
+
+
+def _inner_hook_follows(module: nn.Module, hook: ModelHook) -> bool:
+    """True if a ``runs_innermost`` hook of ``module`` (e.g. layerwise casting) runs its post_forward after ``hook``."""
+    chain = getattr(module.__dict__.get("_hf_hook"), "hooks", ())
+    return any(getattr(other, "runs_innermost", False) for other in chain if other is not hook)
+
+
 class AlignDevicesHook(ModelHook):
     """Puts a module's inputs, and its weights if ``offload``, on ``execution_device`` for its forward.
 
@@ -169,12 +189,18 @@ class AlignDevicesHook(ModelHook):
         dtype, requires_grad = placeholder_state(slot)
         return self._as_held(slot, value, self.device if device is _HOOK_DEVICE else device, dtype, requires_grad)
 
+    def slot(self, name: str) -> Slot | None:
+        """The :class:`~bigmodel.hooks.placeholders.Slot` of offloaded tensor ``name`` (None if not offloaded)."""
+        return self._slots.get(name)
+
     @staticmethod
     def _as_held(slot: Slot, value: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None,
                  requires_grad: bool) -> torch.Tensor:
         if device is not None and value.device != device:
             # Asynchronous only towards an accelerator: a device→host copy must be complete when used.
             value = value.to(device, non_blocking=device.type != "cpu")
+        if slot.round_to is not None:
+            value = slot.rounded(value)
         if dtype is not None and value.dtype != dtype and value.is_floating_point():
             value = value.to(dtype)
         return slot.wrap(value, requires_grad)
@@ -186,6 +212,7 @@ class AlignDevicesHook(ModelHook):
         if is_tensor_subclass(value):  # its parts copied, the subclass kept (never dequantized)
             parts, spec = flatten_tensor(value, name)
             return unflatten_tensor(spec, {k: v.to("cpu", copy=True) for k, v in parts.items()})
+        value = self._slots[name].rounded(value)
         dtype = placeholder_state(self._slots[name])[0] if value.is_floating_point() else None
         return value.to(device="cpu", dtype=dtype or value.dtype, copy=True)
 
@@ -237,9 +264,19 @@ class AlignDevicesHook(ModelHook):
         _assign(module, name, tensor)
 
     def unload_weights(self, module: nn.Module) -> None:
-        """Put the meta placeholders back (the values' memory belongs to the weights map again)."""
-        for name, slot in self._slots.items():
-            _assign(module, name, slot.placeholder)
+        """Put the meta placeholders back (the values' memory belongs to the weights map again).
+
+        A parameter the forward left in another floating dtype (a layerwise-casting hook of a
+        submodule storing it in its storage dtype again after a model-wide ``.to(dtype)``) keeps
+        that dtype: its placeholder takes it, as the plain module would keep the Parameter it
+        holds.  Not when a hook of this module runs after this one (``runs_innermost``): that hook
+        still has the values in hand and sets their dtype itself."""
+        follow = not _inner_hook_follows(module, self)
+        with torch._C.DisableTorchFunctionSubclass():
+            for name, slot in self._slots.items():
+                if follow and slot.is_parameter and slot.param_type is nn.Parameter:
+                    _follow_held_dtype(module, name, slot)
+                _assign(module, name, slot.placeholder)
         for pointer, device in self.tied_pointers_to_remove:
             self.tied_params_map.get(pointer, {}).pop(device, None)  # type: ignore[union-attr]
         self.tied_pointers_to_remove.clear()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..core.tensors import find_tied_parameters
-from .placeholders import placeholders_stay_meta
+from .placeholders import offload_source, placeholders_stay_meta
 from .registry import TIED_PARAMS, ModelHook, add_hook_to_module
 
 logger = logging.getLogger(__name__)
@@ -40,12 +40,23 @@ def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, non_blocking: bool,
 def _cast_placeholders(module: nn.Module, dtype: torch.dtype, keep: Collection[str]) -> None:
     """Cast the module's offloaded floating parameters (``meta`` placeholders) to ``dtype``: the
     offloading hook reads the placeholder's dtype and casts the stored value to it at each load."""
-    with placeholders_stay_meta():  # nothing is read: the placeholders stay on meta
+    with placeholders_stay_meta(), torch._C.DisableTorchFunctionSubclass():  # nothing is read: stays on meta
         for name, param in module._parameters.items():
             if param is None or name in keep or not param.is_meta:
                 continue
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
+
+
+def _round_offloaded_loads(module: nn.Module, dtype: torch.dtype, keep: Collection[str]) -> None:
+    """Make every load of the module's offloaded floating parameters round the stored value to ``dtype``
+    first, whatever dtype the placeholder has (after ``model.to(torch.bfloat16)`` the value is then
+    the storage-dtype value in bfloat16, as a resident layer holds it, not the stored one rounded once)."""
+    for name, param in module._parameters.items():
+        source = offload_source(param) if param is not None and name not in keep else None
+        slot = source[0].slot(source[1]) if source is not None else None
+        if slot is not None:
+            slot.round_to = dtype
 
 
 class LayerwiseCastingHook(ModelHook):
@@ -55,6 +66,12 @@ class LayerwiseCastingHook(ModelHook):
     ``storage_dtype`` too (its placeholder shows it, and each load rounds the stored value to
     it), so the layer computes with exactly the values it would hold in memory.  The hook runs
     next to the forward (``runs_innermost``), after the offloading hook has put the weights in.
+
+    One rule, with or without offload, diffusers' (``apply_layerwise_casting``): the weights are
+    kept in ``storage_dtype`` between forwards.  A model-wide cast (``model.to(torch.float64)``,
+    ``.double()``) changes the dtype of the kept values until the layer's next forward, which
+    computes in ``compute_dtype`` and stores them in ``storage_dtype`` again.  An offloaded
+    weight's kept value is its stored value rounded to ``storage_dtype``.
 
     Args:
         storage_dtype: dtype the weights are kept in between forwards (e.g. ``torch.float8_e4m3fn``).
@@ -78,6 +95,7 @@ class LayerwiseCastingHook(ModelHook):
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         _cast_placeholders(module, self.storage_dtype, self.keep)  # offloaded: each load rounds to it
+        _round_offloaded_loads(module, self.storage_dtype, self.keep)
         _cast_own_tensors(module, self.storage_dtype, self.non_blocking, self.keep)
         return module
 
@@ -95,7 +113,10 @@ class LayerwiseCastingHook(ModelHook):
         self._back_to_storage(module)
 
     def _back_to_storage(self, module: nn.Module) -> None:
+        # Held weights, and the placeholders of weights the module's own offloading hook has just
+        # put back (a model-wide ``.to(dtype)`` changed them until this forward, as on a plain model).
         _cast_own_tensors(module, self.storage_dtype, self.non_blocking, self.keep)
+        _cast_placeholders(module, self.storage_dtype, self.keep)
         for name, dtype in self._kept_dtypes.items():
             _cast_own_tensors(module, dtype, self.non_blocking, self.keep.difference([name]))
         self._kept_dtypes = {}

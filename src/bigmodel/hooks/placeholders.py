@@ -42,7 +42,10 @@ from ..core.subclasses import is_tensor_subclass, stored_nbytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadedParameter", "Slot", "make_slot", "placeholder_state", "placeholders_stay_meta"]
+__all__ = [
+    "OffloadedParameter", "Slot", "make_slot", "offload_source", "placeholder_state",
+    "placeholders_report_execution_device", "placeholders_stay_meta",
+]
 
 # Tensor attributes/methods that only read metadata: a placeholder answers them itself (meta).
 _METADATA = frozenset(
@@ -70,8 +73,11 @@ class OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            if _func_name(func) not in _METADATA and not getattr(_LOCAL, "stay_meta", False):
+            name = _func_name(func)
+            if name not in _METADATA and not getattr(_LOCAL, "stay_meta", False):
                 args, kwargs = tree_map(_materialize, (args, kwargs))
+            elif name == "device" and getattr(_LOCAL, "report_device", False) and args:
+                return _execution_device(args[0]) or func(*args, **kwargs)
             return func(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> OffloadedParameter:
@@ -97,6 +103,41 @@ def placeholders_stay_meta() -> Iterator[None]:
         yield
     finally:
         _LOCAL.stay_meta = previous
+
+
+@contextlib.contextmanager
+def placeholders_report_execution_device() -> Iterator[None]:
+    """Inside the context (this thread), ``placeholder.device`` is where its module computes.
+
+    For code that places new tensors "next to" a layer's weight (peft puts each new adapter on
+    ``base_layer.weight.device``): an offloaded weight then answers its hook's execution device
+    (the CPU for a hook without one) instead of ``meta``, so what is put there keeps its values.
+    Everything else about the placeholder is unchanged: it is still on ``meta`` (``is_meta``,
+    ``state_dict()``), and an op that uses it loads its value as outside the context.
+    """
+    previous = getattr(_LOCAL, "report_device", False)
+    _LOCAL.report_device = True
+    try:
+        yield
+    finally:
+        _LOCAL.report_device = previous
+
+
+def _execution_device(placeholder: torch.Tensor) -> torch.device | None:
+    """The execution device of the hook that loads ``placeholder``'s value (None: no such hook)."""
+    source = placeholder.__dict__.get("_bm_source")
+    hook = source[0]() if source else None
+    if hook is None:
+        return None
+    return hook.device or torch.device("cpu")
+
+
+def offload_source(tensor: torch.Tensor) -> tuple[Any, str] | None:
+    """``(hook, name)``: the offloading hook that loads placeholder ``tensor``'s value and the tensor's
+    name relative to the hook's module; None for any other tensor (or when that hook is gone)."""
+    source = tensor.__dict__.get("_bm_source") if isinstance(tensor, OffloadedParameter) else None
+    hook = source[0]() if source else None
+    return None if hook is None else (hook, source[1])
 
 
 def _materialize(obj: Any) -> Any:
@@ -138,6 +179,13 @@ class Slot:
     param_type: type = torch.Tensor
     extra: dict | None = None  # __dict__ settings of a Parameter subclass (quantised weights)
     nbytes: int | None = None  # bytes of the value when not the placeholder's numel × itemsize (a wrapper subclass)
+    round_to: torch.dtype | None = None  # each load rounds the stored value to it first (layerwise casting)
+
+    def rounded(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` rounded to :attr:`round_to` (unchanged when there is none, or it is not floating)."""
+        if self.round_to is None or value.dtype == self.round_to or not value.is_floating_point():
+            return value
+        return value.to(self.round_to)
 
     def wrap(self, value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         """``value`` as the module holds it: a Parameter of the original class if it was one."""
@@ -184,6 +232,9 @@ def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) ->
         placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
         return Slot(placeholder, True, nn.Parameter, None, stored_nbytes(tensor))
     meta = tensor.detach().to("meta")
+    source = offload_source(tensor)
+    old_slot = source[0].slot(source[1]) if source is not None else None
+    round_to = old_slot.round_to if old_slot is not None else None  # offloaded again: still rounded
     if not is_parameter:
         return Slot(meta, False)
     extra = {k: v for k, v in tensor.__dict__.items() if k not in ("requires_grad", "_bm_source")}
@@ -193,4 +244,4 @@ def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) ->
         placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
     else:  # quantised parameter subclasses keep their own type on meta
         placeholder = param_type(meta, requires_grad=tensor.requires_grad, **extra)
-    return Slot(placeholder, True, param_type, extra)
+    return Slot(placeholder, True, param_type, extra, round_to=round_to)

@@ -9,7 +9,9 @@ on, two things hold:
    ``enable_model_cpu_offload`` does) gets bigmodel's;
 2. every binding of those same accelerate objects that transformers, diffusers or peft
    modules already hold (found by identity, so renamed imports such as transformers'
-   ``accelerate_max_memory`` count) points to bigmodel's object.
+   ``accelerate_max_memory`` count) points to bigmodel's object;
+3. peft creates the adapters it adds to an offloaded layer on that layer's execution device
+   (not on ``meta``, where they would lose their values): :mod:`~bigmodel.integrations.peft_devices`.
 
 Undoing it puts every replaced attribute back (and turns bindings made while it was on back
 into accelerate's).  Nothing is written to any file.  accelerate stays installed and in charge
@@ -32,6 +34,7 @@ from typing import Any
 
 from .._exports import resolve
 from ..dispatch.dispatch import CHECK_DEVICE_MAP_SITES
+from . import peft_devices
 
 __all__ = ["CONSUMERS", "PATCH_TABLE", "BigmodelPatch", "is_active", "use_bigmodel"]
 
@@ -78,7 +81,7 @@ _ABSENT = object()
 @dataclass
 class _State:
     holders: int = 0
-    saved: list[tuple[ModuleType, str, Any, Any]] = field(default_factory=list)  # module, name, before, ours
+    saved: list[tuple[Any, str, Any, Any]] = field(default_factory=list)  # module/class, name, before, ours
     swaps: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id(accelerate's) → (accelerate's, ours)
 
 
@@ -169,7 +172,7 @@ def _import(name: str) -> ModuleType:
         ) from err
 
 
-def _set(module: ModuleType, name: str, value: Any) -> None:
+def _set(module: Any, name: str, value: Any) -> None:
     _STATE.saved.append((module, name, vars(module).get(name, _ABSENT), value))
     setattr(module, name, value)
 
@@ -198,6 +201,7 @@ def _install() -> None:
     for name, home in _EXTRA_HOOK_CLASSES.items():
         _set(hooks, name, getattr(importlib.import_module(home), name))
     swapped = _swap_bindings(dict(_STATE.swaps), record=True)
+    peft_devices.install(_set)  # adapters added to offloaded layers are created on the execution device
     CHECK_DEVICE_MAP_SITES.append("accelerate.big_modeling")
     logger.info("use_bigmodel: accelerate's big-model API now runs on bigmodel (%d bindings swapped).", swapped)
 
@@ -219,6 +223,7 @@ def _swap_bindings(swaps: dict[int, tuple[Any, Any]], record: bool) -> int:
 
 def _uninstall() -> None:
     """Put back what :func:`_install` replaced; rebind what consumers imported meanwhile."""
+    peft_devices.uninstall()
     if "accelerate.big_modeling" in CHECK_DEVICE_MAP_SITES:
         CHECK_DEVICE_MAP_SITES.remove("accelerate.big_modeling")
     for module, name, before, ours in reversed(_STATE.saved):

@@ -78,6 +78,7 @@ class _Plan:
     placeholders: dict[int, torch.Tensor] = field(default_factory=dict)  # model tensor id → its meta placeholder
     source: GGUFCheckpoint | None = None  # its own names, infos and dequantized tensors
     quantized: QuantizedFolderWrites | None = None  # disk weights stored quantized
+    sources: dict[str, Path] = field(default_factory=dict)  # checkpoint key → the file it is read from
 
 
 def load_checkpoint_in_model(
@@ -209,6 +210,7 @@ def _make_plan(
         infos=infos, targets={}, tied_groups=find_tied_parameters(model), loaded=loaded,
         router=TensorRouter(conversion, converted.shadowed), source=source,
         read_bytes=sum(i.dtype.itemsize * torch.Size(i.shape).numel() for i in stored.values()),
+        sources={key: info.file for key, info in stored.items()},
     )  # fmt: skip
     for group in plan.tied_groups:
         present = [n for n in group if n in infos]
@@ -299,7 +301,10 @@ def _stream(
     """Read the checkpoint tensor by tensor and send each to its device, the offload folder or the spill."""
     read_whole_pickles(plan.infos, plan.targets, plan.loaded, capped=spill is not None)
     with ByteProgress(plan.read_bytes, "Loading checkpoint") as bar:
-        tensors = plan.source.tensors() if plan.source is not None else iter_checkpoint_tensors(files, plan.loaded)
+        if plan.source is not None:
+            tensors = plan.source.tensors()
+        else:
+            tensors = iter_checkpoint_tensors(files, plan.loaded, plan.sources)
         for key, stored in tensors:
             for model_name, tensor, source_key in plan.router.route(key, stored):
                 _place(model, model_name, tensor, source_key, plan, writer, spill)

@@ -39,7 +39,7 @@ class _Target(Protocol):
 def _kept_as_stored(info: TensorInfo, target: _Target) -> bool:
     if isinstance(target.device, str) or target.device.type != "cpu":
         return False
-    return target.dtype == info.dtype or not info.dtype.is_floating_point
+    return target.dtype == info.dtype  # an integer tensor for a floating model tensor is cast (a copy)
 
 
 def read_whole_pickles(
