@@ -36,6 +36,15 @@ STANDARD_NAMES = (
 )
 
 
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+    """The checkpoint path does not exist.
+
+    Both a :class:`FileNotFoundError` and a :class:`ValueError`: accelerate raises ``ValueError``
+    for a checkpoint path that is neither a file nor a folder, and code written for it catches
+    that (``except ValueError``); ``except FileNotFoundError`` / ``OSError`` catch it too.
+    """
+
+
 def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
     """The weight files of a checkpoint, in reading order.
 
@@ -51,8 +60,9 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
         each under its own name (a link in a hub snapshot is not replaced by its blob).
 
     Raises:
-        FileNotFoundError: the checkpoint, or a shard named by its index, does not exist (a
-            dangling or looping link is named as such).
+        CheckpointNotFoundError: the checkpoint path does not exist (a ``FileNotFoundError`` and a
+            ``ValueError``, the type accelerate raises there); a dangling or looping link is named as such.
+        FileNotFoundError: a shard named by the index does not exist.
         ValueError: unknown file type; a path that is not a regular file (a pipe or device,
             which could block the read forever); a folder with no or several candidates (names them);
             an index entry whose shard path leaves the checkpoint folder (names the entry);
@@ -60,7 +70,7 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
     """
     path = Path(checkpoint)
     if not path.exists():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist; {_broken_link_hint(path)}")
+        raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist; {_broken_link_hint(path)}")
     if path.is_dir():
         path = _pick_in_folder(path)
     elif not path.is_file():
