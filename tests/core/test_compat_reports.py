@@ -58,3 +58,52 @@ def test_explicit_dtype_still_leaves_integer_values_alone():
     assert model.position_ids.dtype == torch.int32
     set_module_tensor_to_device(model, "weight", "cpu", value=torch.ones(3, dtype=torch.float64), dtype=torch.bfloat16)
     assert model.weight.dtype == torch.bfloat16
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.register_buffer("scale", torch.ones(2))
+
+
+@pytest.mark.parametrize(("value", "on_meta"), [("1", True), ("true", True), ("YES", True), ("0", False), ("off", False)])
+def test_include_buffers_none_reads_accelerates_environment_variable(monkeypatch, value, on_meta):
+    # accelerate 1.15: include_buffers=None means ACCELERATE_INIT_INCLUDE_BUFFERS (a deployment setting)
+    monkeypatch.setenv("ACCELERATE_INIT_INCLUDE_BUFFERS", value)
+    with init_empty_weights():
+        built = _WithBuffer()
+    with init_on_device(torch.device("meta")):
+        built_on = _WithBuffer()
+    assert built.linear.weight.is_meta and built_on.linear.weight.is_meta
+    assert built.scale.is_meta is on_meta and built_on.scale.is_meta is on_meta
+    with init_empty_weights(include_buffers=False):  # an explicit argument wins over the variable
+        explicit = _WithBuffer()
+    assert not explicit.scale.is_meta
+
+
+def test_include_buffers_variable_that_is_not_a_boolean_is_refused_before_anything_changes(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_INIT_INCLUDE_BUFFERS", "sometimes")
+    register = nn.Module.register_parameter
+    with pytest.raises(ValueError, match=r"ACCELERATE_INIT_INCLUDE_BUFFERS='sometimes' is not a boolean; set it to one of"):
+        with init_empty_weights():
+            pass
+    assert nn.Module.register_parameter is register  # no patch left behind
+    with init_empty_weights(include_buffers=True):  # an explicit value does not read it
+        assert _WithBuffer().scale.is_meta
+
+
+def test_include_buffers_variable_on_a_real_llama(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    monkeypatch.setenv("ACCELERATE_INIT_INCLUDE_BUFFERS", "1")
+    with init_empty_weights():
+        model = transformers.LlamaForCausalLM(config)
+    assert all(b.is_meta for b in model.buffers()) and all(p.is_meta for p in model.parameters())
+    monkeypatch.delenv("ACCELERATE_INIT_INCLUDE_BUFFERS")
+    with init_empty_weights():
+        model = transformers.LlamaForCausalLM(config)
+    assert not any(b.is_meta for b in model.buffers())
