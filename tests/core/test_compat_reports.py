@@ -107,3 +107,24 @@ def test_include_buffers_variable_on_a_real_llama(monkeypatch):
     with init_empty_weights():
         model = transformers.LlamaForCausalLM(config)
     assert not any(b.is_meta for b in model.buffers())
+
+
+def test_lowercase_b_sizes_are_bytes_and_the_difference_with_accelerate_is_logged_once(caplog):
+    # accelerate 1.15 reads "10gb" as 10 gigabits (1.25e9 bytes); bigmodel keeps bytes (the API
+    # contract: units case-insensitive) and warns once per spelling, so a budget tuned for
+    # accelerate is not silently eight times larger.
+    from bigmodel.utils import convert_file_size_to_int, get_max_memory
+
+    with caplog.at_level("WARNING", logger="bigmodel.core.sizes"):
+        assert convert_file_size_to_int("12gb") == 12 * 10**9
+        budgets = {"cpu": "12gb", "disk": "3Mb"}
+        assert get_max_memory(budgets) == {"cpu": 12 * 10**9, "disk": 3 * 10**6}
+        assert convert_file_size_to_int("12GB") == convert_file_size_to_int("12gib") // 2**30 * 10**9
+        assert convert_file_size_to_int("7gib") == 7 * 2**30  # binary units: no bits reading anywhere
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "Size '12gb' is read as 12000000000 bytes; accelerate reads a unit ending in a lowercase 'b' as bits "
+        "(1500000000 bytes). Write '12GB' to keep this meaning without the warning.",
+        "Size '3Mb' is read as 3000000 bytes; accelerate reads a unit ending in a lowercase 'b' as bits "
+        "(375000 bytes). Write '3MB' to keep this meaning without the warning.",
+    ]
