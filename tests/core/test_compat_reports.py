@@ -128,3 +128,22 @@ def test_lowercase_b_sizes_are_bytes_and_the_difference_with_accelerate_is_logge
         "Size '3Mb' is read as 3000000 bytes; accelerate reads a unit ending in a lowercase 'b' as bits "
         "(375000 bytes). Write '3MB' to keep this meaning without the warning.",
     ]
+
+
+def test_get_max_layer_size_takes_one_no_split_class_as_a_string():
+    # accelerate 1.15 gives the decoder layers here (a class name equal to the string matches);
+    # reading the string as a set of characters made every leaf a layer instead.
+    transformers = pytest.importorskip("transformers")
+    from bigmodel.utils import compute_module_sizes, get_max_layer_size
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    with init_empty_weights():
+        model = transformers.LlamaForCausalLM(config)
+    sizes = compute_module_sizes(model)
+    children = list(model.named_children())
+    layers = (sizes["model.layers.0"], ["model.layers.0", "model.layers.1"])
+    assert get_max_layer_size(children, sizes, "LlamaDecoderLayer") == layers
+    assert get_max_layer_size(children, sizes, ["LlamaDecoderLayer"]) == layers

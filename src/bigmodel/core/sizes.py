@@ -268,7 +268,7 @@ def compute_module_total_buffer_size(
 def get_max_layer_size(
     modules: list[tuple[str, nn.Module]],
     module_sizes: Mapping[str, int],
-    no_split_module_classes: list[str] | None,
+    no_split_module_classes: list[str] | str | None,
 ) -> tuple[int, list[str]]:
     """The largest "layer" under ``modules`` and the names of all layers of that size.
 
@@ -278,11 +278,14 @@ def get_max_layer_size(
     Args:
         modules: ``(name, module)`` pairs to search, e.g. ``list(model.named_children())``.
         module_sizes: bytes per name, from :func:`compute_module_sizes`.
-        no_split_module_classes: class names never split.
+        no_split_module_classes: class names never split; one name may be given as a plain
+            string (``"LlamaDecoderLayer"``), as ``infer_auto_device_map`` accepts it.
 
     Returns:
         ``(max_size_in_bytes, [layer names with that size])``.
     """
+    if isinstance(no_split_module_classes, str):
+        no_split_module_classes = [no_split_module_classes]
     no_split = set(no_split_module_classes or ())
     max_size, names = 0, []
     stack = list(reversed(modules))
