@@ -7,7 +7,12 @@ import torch
 from torch import nn
 
 from bigmodel import cpu_offload
-from bigmodel.utils import OffloadedWeightsLoader, PrefixedDataset, align_module_device, set_module_tensor_to_device
+from bigmodel.utils import (
+    OffloadedWeightsLoader,
+    PrefixedDataset,
+    align_module_device,
+    set_module_tensor_to_device,
+)
 
 
 class _Scaled(nn.Linear):
