@@ -16,10 +16,13 @@ under the name of the link (whose suffix tells the format), in the folder's real
 from __future__ import annotations
 
 import json
+import logging
 import os
 import reprlib
 from collections.abc import Mapping
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -130,7 +133,10 @@ def check_hub_link(path: Path, repo: Path, entry: str | None = None) -> None:
 
 
 def _pick_in_folder(folder: Path) -> Path:
-    """The one index or weights file of a folder, safetensors first, standard names before others."""
+    """The one index or weights file of a folder, safetensors first, standard names before others.
+
+    accelerate 1.15 takes ``pytorch_model.bin`` first when a folder holds one: a warning says so
+    when bigmodel picks a safetensors checkpoint next to it."""
     entries = sorted(folder.iterdir())
     names = [p.name for p in entries if p.is_file()]
     broken = [p for p in entries if p.is_symlink() and not p.exists() and p.name.endswith(WEIGHT_SUFFIXES)]
@@ -143,11 +149,11 @@ def _pick_in_folder(folder: Path) -> Path:
         [n for n in names if n.endswith(PICKLE_SUFFIXES)],
     ]
     for found in tiers:
-        if len(found) == 1:
-            return folder / found[0]
         standard = [n for n in found if n in STANDARD_NAMES]
-        if len(standard) == 1:
-            return folder / standard[0]
+        if len(found) == 1 or len(standard) == 1:
+            chosen = folder / (found[0] if len(found) == 1 else standard[0])
+            _warn_if_accelerate_picks_the_pickle(chosen, names)
+            return chosen
         if len(found) > 1:
             raise ValueError(
                 f"Checkpoint folder {str(folder)!r} holds several candidate checkpoints: {found}; "
@@ -156,6 +162,23 @@ def _pick_in_folder(folder: Path) -> Path:
     raise ValueError(
         f"Checkpoint folder {str(folder)!r} holds no weights: no *.index.json, .safetensors, .bin, .pt or .pth "
         f"file (found: {names[:20]}); pass the path of the weights file."
+    )
+
+
+_PICKLE_STANDARD_NAME = "pytorch_model.bin"
+_WARNED_FOLDERS: set[Path] = set()
+
+
+def _warn_if_accelerate_picks_the_pickle(chosen: Path, names: list[str]) -> None:
+    """Warn (once per folder) that accelerate loads ``pytorch_model.bin`` from a folder where bigmodel
+    chose a safetensors checkpoint: the two files may hold different weights (a stale copy)."""
+    if chosen.name == _PICKLE_STANDARD_NAME or _PICKLE_STANDARD_NAME not in names or chosen.parent in _WARNED_FOLDERS:
+        return
+    _WARNED_FOLDERS.add(chosen.parent)
+    logger.warning(
+        "Checkpoint folder %r holds both %s and %s; loading %s (safetensors: read lazily, no pickle). "
+        "accelerate 1.15 loads %s from such a folder; pass that file's path to load it instead.",
+        str(chosen.parent), chosen.name, _PICKLE_STANDARD_NAME, chosen.name, _PICKLE_STANDARD_NAME,
     )
 
 
