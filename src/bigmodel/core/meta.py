@@ -223,11 +223,11 @@ def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
 
     Buffers stay real (on CPU) unless ``include_buffers`` is True (or, when it is None, the
     environment variable ``ACCELERATE_INIT_INCLUDE_BUFFERS`` is true, as with accelerate), so
-    computed buffers such as rotary frequencies keep their values.
+    computed buffers such as rotary frequencies keep their values.  Load weights afterwards with
+    :func:`bigmodel.load_checkpoint_and_dispatch`.
 
     Raises:
-        ValueError: ``include_buffers`` is None and ``ACCELERATE_INIT_INCLUDE_BUFFERS`` is not a boolean.  Load weights afterwards with
-    :func:`bigmodel.load_checkpoint_and_dispatch`.
+        ValueError: ``include_buffers`` is None and ``ACCELERATE_INIT_INCLUDE_BUFFERS`` is not a boolean.
 
     Example::
 
