@@ -190,3 +190,20 @@ def test_plain_modules_without_linear_weights_are_left_alone(tmp_path: Path) -> 
     disk_offload(model, tmp_path, execution_device="cpu", offload_quantization="int8")
     index = json.loads((tmp_path / "index.json").read_text())
     assert all("quantization" not in entry for entry in index.values())
+
+
+def test_a_user_file_named_like_a_quantized_part_in_the_checkpoint_folder_is_kept(tmp_path: Path) -> None:
+    from bigmodel import load_checkpoint_and_dispatch
+
+    reference = tiny_llama()
+    reference.save_pretrained(str(tmp_path))
+    stray = tmp_path / "model.layers.2.self_attn.q_proj.weight@scale.dat"
+    stray.write_bytes(b"the user's own bytes")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with init_empty_weights():
+        model = type(reference)(reference.config)
+    with pytest.raises(ValueError, match=r"'model\.layers\.2\.self_attn\.q_proj\.weight@scale\.dat' already exists"):
+        load_checkpoint_and_dispatch(model, str(tmp_path), device_map=half_on_disk(), offload_folder=tmp_path,
+                                     offload_quantization="int8")  # fmt: skip
+    assert stray.read_bytes() == b"the user's own bytes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

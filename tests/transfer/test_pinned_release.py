@@ -20,6 +20,7 @@ from _fake_accelerator import (
     install,
     pinned_module,
 )
+from _opaque_tensor import Opaque
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -132,3 +133,12 @@ def test_pinning_a_models_own_cpu_weights_never_holds_two_copies(fake, kind):
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(X), expected)
+
+
+def test_pin_tensors_refuses_a_subclass_it_cannot_reach_before_pinning_anything(fake):
+    tensors = {"a": torch.ones(ARENA // 4), "b.weight": Opaque(torch.ones(4, 4)), "c": torch.zeros(3)}
+    with pytest.raises(TypeError, match=r"'b\.weight' is a _opaque_tensor\.Opaque tensor subclass whose values "
+                                        r"cannot be pinned in host memory .*does not implement __tensor_flatten__"):
+        pinned_module.pin_tensors(tensors)
+    assert fake.pinned == []
+    assert not tensors["a"].is_pinned() and not tensors["c"].is_pinned()

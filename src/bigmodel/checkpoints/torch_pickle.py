@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..core.file_maps import attach, hold, release
+from ..core.subclasses import flatten_tensor, is_tensor_subclass
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,19 @@ def load_torch_file(path: str | os.PathLike, mmap: bool | None = None) -> dict[s
     try:
         tensors = _load(path, mmap=guard is not None)
         if guard is not None:
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors.values() if t.numel()}
+            plain = [p for t in tensors.values() for p in _plain_parts(t)]
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in plain if t.numel()}
             for storage in storages.values():
                 attach(guard, storage)
     finally:
         if guard is not None:
             release(guard)
     return tensors
+
+
+def _plain_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """``tensor``, or the inner tensors of a wrapper subclass (torchao's quantized weights), which hold its storage."""
+    return list(flatten_tensor(tensor)[0].values()) if is_tensor_subclass(tensor) else [tensor]
 
 
 def _load(path: Path, mmap: bool) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from . import leases
+from .subclasses import flatten_tensor, is_tensor_subclass
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +240,12 @@ def is_mapped(tensor: torch.Tensor) -> bool:
 
     Returns:
         True for a CPU tensor whose storage is one :func:`map_file` or a mapped pickle registered
-        with :func:`attach` made (also after a rewrite of the file copied it into memory).
+        with :func:`attach` made (also after a rewrite of the file copied it into memory).  A
+        wrapper tensor subclass (torchao's quantized weights) holds no storage of its own: True
+        when any of its inner tensors is such a view.
     """
+    if is_tensor_subclass(tensor):
+        return any(is_mapped(part) for part in flatten_tensor(tensor)[0].values())
     return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in _storages
 
 

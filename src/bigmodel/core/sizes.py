@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from .subclasses import is_tensor_subclass, stored_nbytes
+
 logger = logging.getLogger(__name__)
 
 _SIZE_UNITS = {
@@ -188,7 +190,13 @@ def _element_bytes(dtype: torch.dtype | str) -> float:
 
 
 def tensor_nbytes(tensor: torch.Tensor, dtype: torch.dtype | str | None = None) -> int:
-    """Bytes of ``tensor`` if stored in ``dtype`` (its own dtype when None); exact for meta tensors."""
+    """Bytes of ``tensor`` if stored in ``dtype`` (its own dtype when None); exact for meta tensors.
+
+    A wrapper tensor subclass (torchao's quantized weights) with no ``dtype`` given counts the
+    bytes of its inner tensors (``Int8Tensor``: int8 data + scales), not numel × its outer dtype.
+    """
+    if dtype is None and is_tensor_subclass(tensor):
+        return stored_nbytes(tensor)
     size = _element_bytes(tensor.dtype if dtype is None else dtype)
     return int(tensor.numel() * size + 0.9999) if size < 1 else tensor.numel() * int(size)
 
@@ -196,6 +204,9 @@ def tensor_nbytes(tensor: torch.Tensor, dtype: torch.dtype | str | None = None) 
 def planned_size(
     tensor: torch.Tensor, name: str, dtype: torch.dtype | str | None, special_dtypes: Mapping[str, object] | None
 ) -> int:
+    if is_tensor_subclass(tensor):
+        # Already stored in its own (quantized) form: a cast of the model never changes what it holds.
+        return stored_nbytes(tensor)
     if special_dtypes and name in special_dtypes:
         return tensor_nbytes(tensor, special_dtypes[name])
     if dtype is None or not (tensor.is_floating_point() or tensor.is_complex()):
@@ -230,7 +241,9 @@ def compute_module_sizes(
     Args:
         model: the model (any device, meta included: only shapes and dtypes are read).
         dtype: if given, floating tensors are sized as if cast to it (never larger than
-            they are now); integer and bool tensors keep their dtype.
+            they are now); integer and bool tensors keep their dtype.  A wrapper tensor
+            subclass (torchao's quantized weights) always counts the bytes of its inner
+            tensors (``__tensor_flatten__``), whatever ``dtype`` and ``special_dtypes`` say.
         special_dtypes: per-tensor dtype overrides, dotted name → dtype.
         buffers_only: count buffers only.
 

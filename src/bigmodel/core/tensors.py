@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .devices import DeviceSpec, empty_cache, torch_device
+from .subclasses import is_tensor_subclass
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +81,18 @@ def _cast(value: torch.Tensor, old: torch.Tensor | None, dtype: torch.dtype | No
     parameter becomes float)."""
     if dtype is not None:
         return value.to(dtype, non_blocking=non_blocking) if value.is_floating_point() else value
-    if old is not None and old.dtype != value.dtype:
-        return value.to(old.dtype, non_blocking=non_blocking)
-    return value
+    if old is None or old.dtype == value.dtype:
+        return value
+    if is_tensor_subclass(value) and not (value.is_floating_point() and old.is_floating_point()):
+        return value  # a quantized wrapper (torchao) keeps its storage: only float-to-float casts apply
+    return value.to(old.dtype, non_blocking=non_blocking)
 
 
 def as_parameter(value: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
     """A Parameter of ``old``'s class (quantised subclasses keep their ``__dict__`` settings) around ``value``."""
     requires_grad = old.requires_grad and value.is_floating_point()
-    if type(old) is nn.Parameter:
+    if type(old) is nn.Parameter or is_tensor_subclass(old) or is_tensor_subclass(value):
+        # A wrapper subclass (torchao) is a Parameter by a flag, not by its class: nn.Parameter keeps its class.
         return nn.Parameter(value, requires_grad=requires_grad)
     extra = {k: v for k, v in old.__dict__.items() if k != "requires_grad"}
     return type(old)(value, requires_grad=requires_grad, **extra)
@@ -148,7 +152,7 @@ def set_module_tensor_to_device(
             f"Value for {tensor_name!r} has shape {tuple(value.shape)} but the model expects "
             f"{tuple(old.shape)}; the checkpoint does not match the model (check its config and path)."
         )
-    if tied_params_map is not None and source.device.type != "meta":
+    if tied_params_map is not None and source.device.type != "meta" and not is_tensor_subclass(source):
         cached = tied_params_map.get(source.data_ptr(), {}).get(target)
         if cached is not None:
             slots = submodule._buffers if name in submodule._buffers else submodule._parameters
@@ -164,7 +168,7 @@ def set_module_tensor_to_device(
         submodule._parameters[name] = as_parameter(new.data if isinstance(new, nn.Parameter) else new, param)
     if fp16_statistics is not None:
         submodule.SCB = fp16_statistics.to(target)
-    if tied_params_map is not None and value is not None and value.device.type != "meta":
+    if tied_params_map is not None and value is not None and value.device.type != "meta" and not is_tensor_subclass(value):
         if value.data_ptr() in tied_params_map:
             tied_params_map[value.data_ptr()][target] = submodule._parameters.get(name, new)
     if clear_cache:
@@ -197,7 +201,10 @@ def hold_meta_placeholder(
     memo = {} if memo is None else memo
     new = memo.get(id(old))
     if new is None:
-        meta = torch.empty_like(old, device="meta", dtype=dtype)
+        if is_tensor_subclass(old):  # such subclasses mostly cannot be made on meta: a plain placeholder
+            meta = torch.empty(old.shape, device="meta", dtype=dtype)
+        else:
+            meta = torch.empty_like(old, device="meta", dtype=dtype)
         new = memo[id(old)] = as_parameter(meta, old) if isinstance(old, nn.Parameter) else meta
     slots[attr] = new  # type: ignore[assignment]
 

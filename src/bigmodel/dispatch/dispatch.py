@@ -37,7 +37,7 @@ from ..offload.storage import (
     PrefixedDataset,
     extract_submodules_state_dict,
 )
-from ..transfer.pinned import pin_module_tensors, pin_tensors
+from ..transfer.pinned import check_pinnable, pin_module_tensors, pin_tensors
 from .quantized_offload import quantize_in_ram, store_on_disk, wrap_weights_map
 from .redispatch import (
     _enable_prefetch,
@@ -232,6 +232,10 @@ def dispatch_model(
     modules are prefetched onto the device on a side stream, disk values through a bounded pinned
     staging buffer (:class:`~bigmodel.transfer.copies.DeviceStager`).  On the CPU nothing is copied.
 
+    Weights that already are quantized tensor subclasses (torchao's ``Int8Tensor``...) keep that
+    form: the hooks move the subclass (its inner tensors, rebuilt on the execution device), and
+    ``offload_dir`` stores its inner tensors with a JSON entry (:mod:`bigmodel.offload.subclass_format`).
+
     Returns:
         The model, with ``model.hf_device_map`` set.
 
@@ -246,6 +250,8 @@ def dispatch_model(
         ValueError: the map does not cover the model, disk parts have no ``offload_dir``, or
             ``offload_dir``'s index lacks (or describes with another shape/dtype) tensors that are
             on ``meta`` in the model.
+        TypeError: with an accelerator as main device, a ``"cpu"`` module holds a tensor subclass
+            that cannot be pinned as plain tensors (names it and the fix; nothing is changed).
     """
     device_map_checker()(model, device_map)
     form = check_form(offload_quantization)
@@ -262,8 +268,10 @@ def dispatch_model(
     cpu_modules = [name for name, d in device_map.items() if d == "cpu"]
     disk_modules = [name for name, d in device_map.items() if d == "disk"]
     offload_dir = _offload_dir_for(model, disk_modules, offload_dir, offload_index)
-    _undispatch(model, "dispatch_model")
     on_cpu = not _runs_on_accelerator(main)
+    if not on_cpu and cpu_modules:  # refused before anything is unhooked or pinned
+        check_pinnable(extract_submodules_state_dict(model.state_dict(keep_vars=True), cpu_modules).items())
+    _undispatch(model, "dispatch_model")
     if not on_cpu and state_dict is None and cpu_modules:
         pin_module_tensors(model, cpu_modules)  # in place, an arena at a time: never two copies in RAM
         state_dict = extract_submodules_state_dict(model.state_dict(), cpu_modules)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..core.devices import DeviceSpec
+from ..core.subclasses import flatten_tensor, is_tensor_subclass
 from ..core.tensors import find_tied_parameters
 from ..hooks.align import (
     attach_align_device_hook,
@@ -36,7 +37,8 @@ from ..offload.storage import (
     offload_state_dict,
     parse_dtype,
 )
-from ..transfer.pinned import pin_module_tensors, pin_tensors
+from ..offload.subclass_format import is_subclass_entry, part_files, same_form
+from ..transfer.pinned import check_pinnable, pin_module_tensors, pin_tensors
 from .quantized_offload import quantize_in_ram, store_on_disk, wrap_weights_map
 from .redispatch import (
     _enable_prefetch,
@@ -61,6 +63,8 @@ def _entry_problem(entry: Any, tensor: torch.Tensor, folder: Path, name: str) ->
         return f"shape {list(shape)} vs model {list(tensor.shape)}"
     if tensor.device.type != "meta" and dtype != tensor.dtype:
         return f"dtype {dtype_name(dtype)} vs model {dtype_name(tensor.dtype)}"
+    if is_subclass_entry(entry) or is_tensor_subclass(tensor):
+        return _subclass_problem(entry, tensor, folder, name)
     if "safetensors_file" in entry:
         path = Path(str(entry["safetensors_file"]))
         if not (path if path.is_absolute() else folder / path).is_file():
@@ -76,11 +80,33 @@ def _entry_problem(entry: Any, tensor: torch.Tensor, folder: Path, name: str) ->
     return None
 
 
+def _subclass_problem(entry: Mapping, tensor: torch.Tensor, folder: Path, name: str) -> str | None:
+    """:func:`_entry_problem` where the entry or the tensor is a wrapper subclass (stored as its parts)."""
+    if not is_subclass_entry(entry):
+        return "it holds a plain tensor; the model holds a tensor subclass"
+    if tensor.device.type != "meta" and (why := same_form(entry, name, tensor)) is not None:
+        return why
+    for part, info in part_files(folder, name, entry).values():
+        path = dat_path(folder, part)
+        need = parse_dtype(info.get("dtype", ""), part).itemsize * torch.Size(info.get("shape", ())).numel()
+        if not path.is_file() or path.stat().st_size != need:
+            return f"{path.name} is missing or has the wrong size"
+    if tensor.device.type != "meta" and not _stores_same_bytes(entry, tensor, folder, name):
+        return "it holds other values than the model's"
+    return None
+
+
 def _stores_same_bytes(entry: Mapping, tensor: torch.Tensor, folder: Path, name: str) -> bool:
     """True if the folder's value for ``name`` has exactly ``tensor``'s bytes (read, never written)."""
     try:
         stored = OffloadedWeightsLoader(save_folder=folder, index={name: dict(entry)})[name]
         value = tensor.detach().to("cpu")
+        if is_tensor_subclass(value):
+            mine, theirs = flatten_tensor(value, name)[0], flatten_tensor(stored, name)[0]
+            return mine.keys() == theirs.keys() and all(
+                mine[k].shape == theirs[k].shape and mine[k].dtype == theirs[k].dtype
+                and torch.equal(_as_bytes(mine[k]), _as_bytes(theirs[k])) for k in mine
+            )  # fmt: skip
         if stored.shape != value.shape or stored.dtype != value.dtype:
             return False
         return torch.equal(_as_bytes(stored), _as_bytes(value))
@@ -180,10 +206,14 @@ def cpu_offload(
     Raises:
         ValueError: ``execution_device`` is not a device spec (names it and the accepted forms), or
             an unknown ``offload_quantization``.
+        TypeError: ``execution_device`` is an accelerator and a weight is a tensor subclass that
+            cannot be pinned as plain tensors (names it and the fix; nothing is pinned).
     """
     form = check_form(offload_quantization)
     _undispatch(model, "cpu_offload")
     device = execution_device if execution_device is not None else _default_device(model)
+    if _runs_on_accelerator(device):  # refused before anything is pinned
+        check_pinnable([*model.state_dict(keep_vars=True).items(), *(state_dict or {}).items()])
     if state_dict is None:
         if _runs_on_accelerator(device):
             pin_module_tensors(model)  # in place, an arena at a time: the model is never in RAM twice

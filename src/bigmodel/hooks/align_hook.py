@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from ..core.devices import torch_device
+from ..core.subclasses import flatten_tensor, is_tensor_subclass, unflatten_tensor
 from ..core.tensors import (
     get_non_persistent_buffers,
     get_submodule_and_name,
     named_module_tensors,
     set_module_tensor_to_device,
 )
-from ..offload.quantized_store import read_offloaded, take_dequantized
+from ..offload.quantized_store import read_offloaded, take_dequantized, take_subclass
 from .moving import find_device, send_inputs_to_device, send_to_device
 from .placeholders import Slot, make_slot, placeholder_state, placeholder_states
 from .registry import ModelHook, iter_hooks
@@ -111,8 +112,11 @@ class AlignDevicesHook(ModelHook):
 
     @property
     def offloaded_bytes(self) -> int:
-        """Bytes of the offloaded tensors (in the module's dtypes)."""
-        return sum(slot.placeholder.numel() * slot.placeholder.element_size() for slot in self._slots.values())
+        """Bytes of the offloaded tensors (in the module's dtypes; a wrapper subclass: its inner tensors' bytes)."""
+        return sum(
+            slot.nbytes if slot.nbytes is not None else slot.placeholder.numel() * slot.placeholder.element_size()
+            for slot in self._slots.values()
+        )
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         if self.offload:
@@ -179,6 +183,9 @@ class AlignDevicesHook(ModelHook):
         """A copy of the offloaded value of ``name``: a CPU tensor in the module's dtype, sharing no
         memory with the weights map (changing it never changes the model)."""
         value = self.weights_map[name].detach()  # type: ignore[index]
+        if is_tensor_subclass(value):  # its parts copied, the subclass kept (never dequantized)
+            parts, spec = flatten_tensor(value, name)
+            return unflatten_tensor(spec, {k: v.to("cpu", copy=True) for k, v in parts.items()})
         dtype = placeholder_state(self._slots[name])[0] if value.is_floating_point() else None
         return value.to(device="cpu", dtype=dtype or value.dtype, copy=True)
 
@@ -189,10 +196,12 @@ class AlignDevicesHook(ModelHook):
         tied_map = self.tied_params_map
         self._adopt_replaced_buffers(module)
         for name, slot, dtype, requires_grad in placeholder_states(self._slots):
-            dequantized = take_dequantized(self.weights_map, source, name, device)  # type: ignore[arg-type]
-            value = source[name] if dequantized is None else dequantized
+            rebuilt = take_dequantized(self.weights_map, source, name, device)  # type: ignore[arg-type]
+            if rebuilt is None and name not in source:
+                rebuilt = take_subclass(self.weights_map, source, name, device)  # type: ignore[arg-type]
+            value = source[name] if rebuilt is None else rebuilt
             per_device = None
-            if tied_map and not value.is_meta:  # a tied value is put on a device once while it is in use
+            if tied_map and not value.is_meta and rebuilt is None:  # a tied value is put on a device once
                 per_device = tied_map.get(value.data_ptr())
                 if per_device is not None and device in per_device:
                     _assign(module, name, per_device[device])

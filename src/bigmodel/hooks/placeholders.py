@@ -15,6 +15,12 @@ one outside its module's forward (a parent module reading ``self.child.weight`` 
 value is loaded from the weights map for that op, with a one-time warning suggesting
 ``preload_module_classes``.  Inside :func:`placeholders_stay_meta` they act as plain meta
 tensors (a model-wide cast changes their dtype without reading any value).
+
+A wrapper tensor subclass (torchao's quantized weights) gets a *plain* meta placeholder of its
+outer shape and dtype, not a subclass on ``meta``: most such subclasses implement neither
+``empty_like`` nor the ops a placeholder must answer on ``meta``, and a plain placeholder keeps
+everything above (casts, ``requires_grad``, ties, use outside the forward) working the same way.
+The value the module computes with in its forward is the subclass itself.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
+
+from ..core.subclasses import is_tensor_subclass, stored_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +137,7 @@ class Slot:
     is_parameter: bool
     param_type: type = torch.Tensor
     extra: dict | None = None  # __dict__ settings of a Parameter subclass (quantised weights)
+    nbytes: int | None = None  # bytes of the value when not the placeholder's numel × itemsize (a wrapper subclass)
 
     def wrap(self, value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         """``value`` as the module holds it: a Parameter of the original class if it was one."""
@@ -160,7 +169,20 @@ def placeholder_states(slots: dict[str, Slot]) -> list[tuple[str, Slot, torch.dt
 
 
 def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) -> Slot:
-    """The slot replacing ``tensor`` (tensor ``name`` of ``hook``'s module) while it is offloaded."""
+    """The slot replacing ``tensor`` (tensor ``name`` of ``hook``'s module) while it is offloaded.
+
+    A wrapper tensor subclass (torchao's quantized weights) gets a plain meta placeholder of its
+    outer shape and dtype (such subclasses mostly cannot live on ``meta``): between forwards the
+    module holds an ordinary placeholder, and in its forward the subclass itself, rebuilt from
+    its parts on the execution device.
+    """
+    if is_tensor_subclass(tensor):
+        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+        if not is_parameter:
+            return Slot(meta, False, nbytes=stored_nbytes(tensor))
+        placeholder = OffloadedParameter(meta, requires_grad=tensor.requires_grad)
+        placeholder.__dict__["_bm_source"] = (weakref.ref(hook), name)
+        return Slot(placeholder, True, nn.Parameter, None, stored_nbytes(tensor))
     meta = tensor.detach().to("meta")
     if not is_parameter:
         return Slot(meta, False)

@@ -283,8 +283,9 @@ def _disk_writer(
         if foreign:
             raise ValueError(
                 f"offload_folder {str(folder)!r} is the checkpoint's folder, and {foreign[0].name!r} already exists "
-                "in the checkpoint's folder: bigmodel adds its offload files (index.json, <tensor>.dat) there but "
-                "never overwrites a file it did not write; pass another offload_folder."
+                "in the checkpoint's folder: bigmodel adds its offload files (index.json, <tensor>.dat, and "
+                "<tensor>#<part>.dat or <tensor>@<part>.dat for a tensor stored in parts) there but never overwrites "
+                "a file it did not write; pass another offload_folder."
             )
     return OffloadWriter(folder)
 

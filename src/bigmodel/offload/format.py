@@ -5,7 +5,9 @@ Format (shared with the ecosystem): ``index.json`` maps each tensor name to eith
 - ``{"dtype": "bfloat16", "shape": [4096, 4096]}`` with the tensor's bytes in ``<name>.dat``
   (raw, C order, no header; any dtype, bf16/fp8 included, round-trips bit-exactly), or
 - ``{"safetensors_file": path, "weight_name": key, "dtype": "float16"}`` (bigmodel also
-  writes ``"shape"``) pointing into an existing safetensors file, which is never rewritten.
+  writes ``"shape"``) pointing into an existing safetensors file, which is never rewritten, or
+- a wrapper tensor subclass (torchao's quantized weights) stored as its plain parts, see
+  :mod:`bigmodel.offload.subclass_format`.
 
 A tensor name maps to its file through :func:`dat_path`: a ``/`` in the name (torch module
 names may hold one) makes subfolders, and names that would leave the folder (``..``, absolute
@@ -26,8 +28,11 @@ import torch
 
 from ..checkpoints.files import SafetensorsFile
 from ..core.file_maps import map_file, read_bytes
+from .subclass_format import PART_SEP, is_subclass_entry, part_files, part_name, rebuild
 
 INDEX_NAME = "index.json"
+# A quantized weight's parts besides its data: ``<name>@<part>.dat`` (see bigmodel.offload.quantized_store).
+QUANTIZED_PART_SEP = "@"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,6 +102,8 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
     """
     if "safetensors_file" in weight_info:
         return _read_safetensors_entry(weight_info, Path(weight_file).stem, {})
+    if isinstance(weight_info.get("subclass"), Mapping):
+        return _read_subclass(Path(weight_file), weight_info)
     path = Path(weight_file)
     dtype = parse_dtype(weight_info.get("dtype", ""), f"offload entry for {str(path)!r}")
     shape = tuple(int(d) for d in weight_info.get("shape", ()))
@@ -115,6 +122,16 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
     if storage is None:
         return read_bytes(path, 0, nbytes).view(dtype).reshape(shape)
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).view(dtype).reshape(shape)
+
+
+def _read_subclass(weight_file: Path, weight_info: Mapping[str, Any]) -> torch.Tensor:
+    """A wrapper tensor subclass entry: its parts (``<name>#<part>.dat`` beside ``weight_file``), rebuilt."""
+    name = weight_file.name.removesuffix(".dat")  # the last part of the tensor name: its parts lie beside it
+    parts = {
+        path: load_offloaded_weight(weight_file.with_name(f"{part}.dat"), info)
+        for path, (part, info) in part_files(weight_file.parent, name, weight_info).items()
+    }
+    return rebuild(weight_info, name, parts)
 
 
 def _safetensors_path(info: Mapping[str, Any], folder: Path | None) -> str:
@@ -167,21 +184,55 @@ def load_offload_index(folder: str | os.PathLike) -> dict[str, dict]:
         ) from err
 
 
-def _is_dat_entry(entry: object) -> bool:
-    return isinstance(entry, Mapping) and "dtype" in entry and "safetensors_file" not in entry
+def entry_files(name: str, entry: object) -> set[str]:
+    """The names whose ``.dat`` files (``dat_path(folder, n)``) index entry ``name`` describes.
+
+    A plain or quantized entry: ``<name>.dat`` (a quantized one also ``<name>@<part>.dat`` for
+    each part but its data); a wrapper subclass entry: ``<name>#<part>.dat`` for each part, and
+    not ``<name>.dat``; a pointer into a safetensors file: none.
+    """
+    if not isinstance(entry, Mapping) or "safetensors_file" in entry or "dtype" not in entry:
+        return set()
+    if is_subclass_entry(entry):
+        parts = entry["subclass"].get("parts")
+        return {part_name(name, str(p)) for p in parts} if isinstance(parts, Mapping) else set()
+    quantization = entry.get("quantization")
+    parts = quantization.get("parts") if isinstance(quantization, Mapping) else None
+    extra = {f"{name}{QUANTIZED_PART_SEP}{p}" for p in parts if p != "data"} if isinstance(parts, Mapping) else set()
+    return {name} | extra
+
+
+def _part_names(folder: Path, name: str, listings: dict[Path, dict[str, list[str]]]) -> list[str]:
+    """The names of the existing files ``<name>#<part>.dat`` / ``<name>@<part>.dat`` (any part) in ``folder``."""
+    path = dat_path(folder, name)
+    if path.parent not in listings:
+        by_stem: dict[str, list[str]] = {}
+        try:
+            files = [f for f in os.listdir(path.parent) if f.endswith(".dat")]
+        except OSError:
+            files = []
+        for file in files:
+            for i, char in enumerate(file[:-4]):
+                if char in (PART_SEP, QUANTIZED_PART_SEP):
+                    by_stem.setdefault(file[:i], []).append(file[i:-4])
+        listings[path.parent] = by_stem
+    return [name + suffix for suffix in sorted(listings[path.parent].get(path.name[:-4], []))]
 
 
 def files_no_offload_wrote(folder: str | os.PathLike, names: list[str]) -> list[Path]:
     """The files that offloading ``names`` into ``folder`` could replace and that are not an offload's own.
 
-    An offload writes ``index.json`` and ``<name>.dat`` files.  An existing ``index.json`` is
-    an offload's own when it is a JSON object of offload entries (each a JSON object with a
-    ``"dtype"``); an existing ``.dat`` file when that index lists it as a ``.dat`` entry.
-    Anything else (a user's ``index.json``, a stray ``.dat``) is returned.
+    An offload writes ``index.json``, and for a tensor ``name`` ``<name>.dat``, or its parts
+    ``<name>#<part>.dat`` (a wrapper tensor subclass) or ``<name>@<part>.dat`` (a quantized
+    weight).  An existing ``index.json`` is an offload's own when it is a JSON object of offload
+    entries (each a JSON object with a ``"dtype"``); an existing ``.dat`` file when that index
+    has an entry describing it (see :func:`entry_files`).  Anything else (a user's
+    ``index.json``, a stray ``.dat``, ``<name>#<anything>.dat`` or ``<name>@<anything>.dat``) is
+    returned.
 
     Args:
         folder: the offload folder.
-        names: tensor names that may be written as ``.dat`` files.
+        names: tensor names that may be written as ``.dat`` files (or as parts).
 
     Returns:
         Paths of the existing files that are not offload output, ``index.json`` first.
@@ -196,9 +247,11 @@ def files_no_offload_wrote(folder: str | os.PathLike, names: list[str]) -> list[
             index = None
     ours = isinstance(index, Mapping) and all(isinstance(e, Mapping) and "dtype" in e for e in index.values())
     foreign = [] if ours or not index_path.exists() else [index_path]
-    listed = index if ours else {}
+    owned = {n for name, entry in index.items() for n in entry_files(name, entry)} if ours else set()
+    listings: dict[Path, dict[str, list[str]]] = {}
     for name in names:
-        path = dat_path(folder, name)
-        if path.exists() and not _is_dat_entry(listed.get(name)):
-            foreign.append(path)
+        for candidate in [name, *_part_names(folder, name, listings)]:
+            path = dat_path(folder, candidate)
+            if candidate not in owned and path.exists():
+                foreign.append(path)
     return foreign

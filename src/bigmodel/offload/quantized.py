@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.subclasses import is_tensor_subclass
+
 logger = logging.getLogger(__name__)
 
 FORMS = ("int8", "int4", "float8")
@@ -203,6 +205,8 @@ def quantize(weight: torch.Tensor, form: str) -> QuantizedWeight:
 def quantizable_names(model: nn.Module, form: str) -> set[str]:
     """Names of the weights ``form`` applies to: 2-D floating weights of ``nn.Linear`` modules, not tied.
 
+    Weights that already are wrapper tensor subclasses (torchao's quantized tensors) are left out.
+
     Norms, embeddings, biases and weights tied to another tensor (``lm_head`` ↔ embeddings)
     stay in full precision.
     """
@@ -212,8 +216,8 @@ def quantizable_names(model: nn.Module, form: str) -> set[str]:
         weight = (
             module._parameters.get("weight") if isinstance(module, nn.Linear) else None
         )
-        if weight is None or weight.dim() != 2 or not weight.is_floating_point():
-            continue
+        if weight is None or weight.dim() != 2 or not weight.is_floating_point() or is_tensor_subclass(weight):
+            continue  # a weight already in a quantized subclass (torchao) is moved as it is
         name = f"{prefix}.weight" if prefix else "weight"
         if name in tied or (
             form == "int4" and int4_group_size(weight.shape[1]) is None

@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
+from ..core.subclasses import flatten_tensor, is_tensor_subclass, unflatten_tensor
 from .format import (
+    QUANTIZED_PART_SEP,
     dat_path,
     dtype_name,
     load_offload_index,
@@ -36,13 +38,14 @@ from .format import (
 )
 from .quantized import QuantizedWeight, quantize, source_digest
 from .storage import OffloadWriter
+from .subclass_format import part_name as subclass_part_name
 
 logger = logging.getLogger(__name__)
 
 
 def part_name(name: str, part: str) -> str:
     """The offload-folder name of one stored part: ``name`` for the data, ``name@scale`` ... for the others."""
-    return name if part == "data" else f"{name}@{part}"
+    return name if part == "data" else f"{name}{QUANTIZED_PART_SEP}{part}"
 
 
 def quantized_entry(weight: torch.Tensor, stored: QuantizedWeight, digest: str) -> dict:
@@ -282,13 +285,20 @@ def read_offloaded(
 
     A weight stored quantized comes as ``<name>@data``, ``<name>@scale`` (and ``<name>@zero``)
     tensors, so that staging and copying code sees plain tensors; :func:`take_dequantized`
-    rebuilds and dequantizes it once the parts are on the execution device.
+    rebuilds and dequantizes it once the parts are on the execution device.  A wrapper tensor
+    subclass (torchao's quantized weights) comes as its inner tensors, ``<name>#<part>``;
+    :func:`take_subclass` rebuilds the subclass from them on the execution device.
     """
     values: dict[str, torch.Tensor] = {}
     for name in names:
         stored = _stored_form(weights_map, name)
         if stored is None:
-            values[name] = weights_map[name]
+            value = weights_map[name]
+            if is_tensor_subclass(value):  # moved as its plain parts, rebuilt by take_subclass
+                parts, _ = flatten_tensor(value, name)
+                values.update({subclass_part_name(name, path): tensor for path, tensor in parts.items()})
+            else:
+                values[name] = value
         else:
             values.update(
                 {f"{name}@{part}": tensor for part, tensor in stored.parts().items()}
@@ -317,3 +327,26 @@ def take_dequantized(
     return moved.to(
         device, non_blocking=getattr(device, "type", "cpu") != "cpu"
     ).dequantize()
+
+
+def take_subclass(
+    weights_map: Mapping[str, Any], values: Mapping[str, torch.Tensor], name: str, device: Any
+) -> torch.Tensor | None:
+    """Rebuild the wrapper subclass ``name`` from its parts in ``values``, on ``device`` (None: not one).
+
+    The parts move to ``device`` (no copy where they already are) and the subclass is built
+    around them with ``__tensor_unflatten__``: the module computes with the stored (quantized)
+    form itself, never a dequantized copy.  The class and context come from the weights map's value.
+    """
+    if name in values:
+        return None
+    value = weights_map[name]
+    if not is_tensor_subclass(value):
+        return None
+    _, spec = flatten_tensor(value, name)
+    non_blocking = getattr(device, "type", "cpu") != "cpu"
+    parts = {}
+    for path in spec.part_names():
+        part = values[subclass_part_name(name, path)]
+        parts[path] = part if device is None or part.device == device else part.to(device, non_blocking=non_blocking)
+    return unflatten_tensor(spec, parts)

@@ -22,6 +22,7 @@ from torch import nn
 from ..checkpoints.files import SafetensorsFile
 from ..core.devices import DeviceSpec, torch_device
 from ..core.file_maps import is_mapped
+from ..core.subclasses import check_flattenable, detached, flatten_tensor, is_tensor_subclass
 from ..core.tensors import set_module_tensor_to_device
 from .format import (
     INDEX_NAME,
@@ -32,6 +33,7 @@ from .format import (
     load_offloaded_weight,
     parse_dtype,
 )
+from .subclass_format import subclass_entry
 from .writer import OffloadWriter, atomic_write, raw_bytes, write_index
 
 __all__ = [
@@ -59,6 +61,10 @@ def offload_weight(
 ) -> dict:
     """Write one tensor to ``<offload_folder>/<weight_name>.dat`` (raw bytes, C order).
 
+    A wrapper tensor subclass (torchao's quantized weights) is written as its plain parts,
+    ``<weight_name>#<part>.dat``, and an entry that rebuilds it (see
+    :mod:`bigmodel.offload.subclass_format`); nothing is pickled.
+
     Args:
         weight: the tensor (any device, any dtype; bf16/fp8 stored bit-exactly).
         weight_name: its name; also the file name.
@@ -70,14 +76,22 @@ def offload_weight(
 
     Raises:
         ValueError: ``weight_name`` would leave the folder (see :func:`dat_path`).
+        TypeError: ``weight`` is a tensor subclass that cannot be stored as plain tensors (names it and the fix).
     """
     folder = Path(offload_folder)
     dat_path(folder, weight_name)  # refuses names leaving the folder before anything is created
+    check_flattenable(weight, weight_name)
+    index = {} if index is None else index
+    if is_tensor_subclass(weight):  # its plain parts, each in its own file, and one entry to rebuild it
+        entry, parts = subclass_entry(weight_name, weight)
+        for part, value in parts.items():
+            offload_weight(value, part, folder)
+        index[weight_name] = entry
+        return index
     folder.mkdir(parents=True, exist_ok=True)
     path = dat_path(folder, weight_name, create=True)
     data = raw_bytes(weight)
     atomic_write(path, lambda f: f.write(memoryview(data)))
-    index = {} if index is None else index
     index[weight_name] = {"dtype": dtype_name(weight.dtype), "shape": list(weight.shape)}
     return index
 
@@ -226,7 +240,7 @@ class OffloadedWeightsLoader(Mapping):
                 raise KeyError(key)
             tensor = self._map(key)
         else:
-            tensor = tensor.detach()  # a new view: callers never change the cached tensor's metadata
+            tensor = detached(tensor)  # a new view: callers never change the cached tensor's metadata
         if self.device is not None:
             tensor = tensor.to(torch_device(self.device))
         return tensor
@@ -240,16 +254,16 @@ class OffloadedWeightsLoader(Mapping):
         with self._lock, torch.inference_mode(False):
             cached = self._mapped.get(key)
             if cached is not None:
-                return cached.detach()
+                return detached(cached)
             info = self.index[key]
             if "safetensors_file" in info:
                 tensor = _read_safetensors_entry(info, key, self._files, self.save_folder)
             else:
                 tensor = load_offloaded_weight(dat_path(self.save_folder, key), info)  # type: ignore[arg-type]
-            if tensor.numel() and not is_mapped(tensor):
+            if tensor.numel() and not _file_backed(tensor):
                 return tensor  # a cast, realigned or unprotected copy: not kept (it is not file-backed memory)
             self._mapped[key] = tensor
-            return tensor.detach()
+            return detached(tensor)
 
     def __contains__(self, key: object) -> bool:
         return key in self.state_dict or key in self.index
@@ -259,6 +273,14 @@ class OffloadedWeightsLoader(Mapping):
 
     def __len__(self) -> int:
         return len(self.all_keys)
+
+
+def _file_backed(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` (every part of a wrapper subclass) is a view of a file mapping."""
+    if is_tensor_subclass(tensor):
+        parts, _ = flatten_tensor(tensor)
+        return all(not part.numel() or is_mapped(part) for part in parts.values())
+    return is_mapped(tensor)
 
 
 class PrefixedDataset(Mapping):

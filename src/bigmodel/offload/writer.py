@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from ..core.subclasses import check_flattenable, is_tensor_subclass
 from .format import INDEX_NAME, dat_path, dtype_name, load_offload_index
+from .subclass_format import is_subclass_entry, part_files, part_name, subclass_entry
 
 __all__ = ["OffloadWriter", "atomic_write", "raw_bytes", "write_index"]
 
@@ -76,13 +78,25 @@ class OffloadWriter:
             ) from err
         self.index: dict[str, dict] = {}
         self._staged: dict[str, Path] = {}
+        self._owner: dict[str, str] = {}  # staged part file name → the subclass tensor it belongs to
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Stage ``tensor`` as ``<name>.dat``.
+        """Stage ``tensor`` as ``<name>.dat`` (a wrapper tensor subclass: its parts, ``<name>#<part>.dat``).
 
         Raises:
             ValueError: ``name`` would leave the folder (see :func:`dat_path`).
+            TypeError: ``tensor`` is a tensor subclass that cannot be stored as plain tensors (names it
+                and the fix); nothing is staged for it.
         """
+        check_flattenable(tensor, name)
+        if is_tensor_subclass(tensor):
+            entry, parts = subclass_entry(name, tensor)
+            for part, value in parts.items():
+                self.write(part, value)
+                self._owner[part] = name
+                del self.index[part]
+            self.index[name] = entry
+            return
         path = dat_path(self.folder, name, create=True)
         data = raw_bytes(tensor)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -94,16 +108,26 @@ class OffloadWriter:
     def duplicate(self, name: str, source: str) -> None:
         """Make ``name`` hold the same data as the already staged/pointed ``source`` (tied weights)."""
         entry = dict(self.index[source])
-        if source in self._staged:
-            path = dat_path(self.folder, name, create=True)
-            tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-            tmp.unlink(missing_ok=True)
-            try:
-                os.link(self._staged[source], tmp)
-            except OSError:
-                shutil.copyfile(self._staged[source], tmp)
-            self._staged[name] = tmp
+        if is_subclass_entry(entry):
+            for path, (part, _) in part_files(self.folder, source, entry).items():
+                self._link(part_name(name, path), part)
+                self._owner[part_name(name, path)] = name
+        else:
+            self._link(name, source)
         self.index[name] = entry
+
+    def _link(self, name: str, source: str) -> None:
+        """Stage ``name``'s file as a hard link to (or a copy of) the staged file of ``source``, if it is staged."""
+        if source not in self._staged:
+            return
+        path = dat_path(self.folder, name, create=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(self._staged[source], tmp)
+        except OSError:
+            shutil.copyfile(self._staged[source], tmp)
+        self._staged[name] = tmp
 
     def point(
         self, name: str, safetensors_file: Path, weight_name: str, dtype: torch.dtype, shape: Iterable[int]
@@ -123,9 +147,9 @@ class OffloadWriter:
         atomic write), so no index ever describes a file holding other bytes.
         """
         previous = load_offload_index(self.folder)
-        replaced = [name for name in self._staged if name in previous]
+        replaced = {self._owner.get(name, name) for name in self._staged} & set(previous)
         if replaced:
-            write_index({k: v for k, v in previous.items() if k not in self._staged}, self.folder)
+            write_index({k: v for k, v in previous.items() if k not in replaced}, self.folder)
         for name, tmp in list(self._staged.items()):
             os.replace(tmp, dat_path(self.folder, name))
             del self._staged[name]

@@ -29,6 +29,12 @@ import torch
 from torch import nn
 
 from ..core.devices import accelerator_type
+from ..core.subclasses import (
+    check_flattenable,
+    flatten_tensor,
+    is_tensor_subclass,
+    unflatten_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +203,22 @@ def _fill_arenas(first: dict[tuple, torch.Tensor], place: Any) -> int:
     return done
 
 
+def check_pinnable(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse, before anything is pinned, a CPU tensor whose values pinning cannot reach.
+
+    Args:
+        tensors: ``(name, tensor)`` pairs (a state dict's ``items()``); tensors not on the CPU are skipped.
+
+    Raises:
+        TypeError: a tensor subclass that intercepts ops (``__torch_dispatch__``) without implementing
+            ``__tensor_flatten__``/``__tensor_unflatten__`` (its own storage holds no values, and its
+            parts cannot be named), or whose ``__tensor_flatten__`` fails; names the tensor and the fix.
+    """
+    for name, tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            check_flattenable(tensor, name, pinning=True)
+
+
 def pin_tensors(tensors: Mapping[str, torch.Tensor], enabled: bool = True, *,
                 owner: object | None = None) -> dict[str, torch.Tensor]:
     """Page-locked copies of CPU tensors, for asynchronous host→device copies.
@@ -205,7 +227,9 @@ def pin_tensors(tensors: Mapping[str, torch.Tensor], enabled: bool = True, *,
     are packed into shared pinned arenas (powers of two, at least ``PINNED_ARENA_BYTES``)
     because host allocators round each pinned allocation up to a power of two, which would
     otherwise waste up to half of the pinned RAM.  Tied tensors are pinned once and stay shared.
-    Tensors already pinned, or not on the CPU, are returned as they are.  The copies are
+    Tensors already pinned, or not on the CPU, are returned as they are.  A wrapper tensor
+    subclass (torchao's quantized weights) comes back as the same subclass around pinned copies
+    of its inner tensors.  The copies are
     contiguous plain tensors of the same dtype and shape (never cast).  If pinning fails part
     way (the OS limits locked memory), the arenas pinned so far are freed and given back to the
     OS, and the tensors are returned unpinned.
@@ -222,9 +246,14 @@ def pin_tensors(tensors: Mapping[str, torch.Tensor], enabled: bool = True, *,
 
     Raises:
         ValueError: if ``BIGMODEL_PIN_MEMORY`` is not a switch.
+        TypeError: a CPU tensor is a subclass that cannot be pinned (see :func:`check_pinnable`);
+            raised before anything is pinned.
     """
     if not pin_memory_enabled(enabled):
         return dict(tensors)
+    check_pinnable(tensors.items())
+    if any(is_tensor_subclass(t) for t in tensors.values()):
+        return _pin_subclasses(tensors, owner)
     todo, first = _group_by_data(
         (name, t) for name, t in tensors.items() if t.device.type == "cpu" and not t.is_pinned() and t.numel()
     )
@@ -237,6 +266,29 @@ def pin_tensors(tensors: Mapping[str, torch.Tensor], enabled: bool = True, *,
             _empty_host_cache()
             _warn_unpinned(total, error)
             return dict(tensors)
+    if owner is not None:
+        _release_with_owner(owner, out)
+    return out
+
+
+def _pin_subclasses(tensors: Mapping[str, torch.Tensor], owner: object | None) -> dict[str, torch.Tensor]:
+    """:func:`pin_tensors` where some values are wrapper subclasses (torchao): their inner tensors are
+    pinned with the rest, and each subclass is rebuilt around its pinned parts (never dequantized)."""
+    flat: dict[str, torch.Tensor] = {}
+    specs = {}
+    for name, tensor in tensors.items():
+        if is_tensor_subclass(tensor):
+            parts, specs[name] = flatten_tensor(tensor, name)
+            flat.update({f"{name}#{path}": part for path, part in parts.items()})
+        else:
+            flat[name] = tensor
+    pinned = pin_tensors(flat)
+    out = PinnedTensors()
+    for name, tensor in tensors.items():
+        spec = specs.get(name)
+        out[name] = pinned[name] if spec is None else unflatten_tensor(
+            spec, {path: pinned[f"{name}#{path}"] for path in spec.part_names()}
+        )
     if owner is not None:
         _release_with_owner(owner, out)
     return out
