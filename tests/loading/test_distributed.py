@@ -341,7 +341,7 @@ def test_tensor_parallel_forward_equals_single_process(two_ranks):
 
 # Each error case: the exception type every rank raises and fragments its message must hold.
 ERROR_CASES = {
-    "missing_on_rank0": ("FileNotFoundError", ["bigmodel-checkpoint-rank0"]),
+    "missing_on_rank0": ("CheckpointNotFoundError", ["bigmodel-checkpoint-rank0"]),
     "keys_disagree": (
         "ValueError",
         ["rank 1 has keys rank 0 lacks", "model.layers.2.mlp.down_proj.weight", "same model"],

@@ -16,10 +16,13 @@ under the name of the link (whose suffix tells the format), in the folder's real
 from __future__ import annotations
 
 import json
+import logging
 import os
 import reprlib
 from collections.abc import Mapping
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -34,6 +37,15 @@ STANDARD_NAMES = (
     "pytorch_model.bin.index.json",
     "pytorch_model.bin",
 )
+
+
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+    """The checkpoint path does not exist.
+
+    Both a :class:`FileNotFoundError` and a :class:`ValueError`: accelerate raises ``ValueError``
+    for a checkpoint path that is neither a file nor a folder, and code written for it catches
+    that (``except ValueError``); ``except FileNotFoundError`` / ``OSError`` catch it too.
+    """
 
 
 class CheckpointFiles(list):
@@ -62,8 +74,9 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> CheckpointFiles:
         :class:`CheckpointFiles` list whose ``shard_of`` maps each tensor an index lists to its shard.
 
     Raises:
-        FileNotFoundError: the checkpoint, or a shard named by its index, does not exist (a
-            dangling or looping link is named as such).
+        CheckpointNotFoundError: the checkpoint path does not exist (a ``FileNotFoundError`` and a
+            ``ValueError``, the type accelerate raises there); a dangling or looping link is named as such.
+        FileNotFoundError: a shard named by the index does not exist.
         ValueError: unknown file type; a path that is not a regular file (a pipe or device,
             which could block the read forever); a folder with no or several candidates (names them);
             an index entry whose shard path leaves the checkpoint folder (names the entry);
@@ -71,7 +84,7 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> CheckpointFiles:
     """
     path = Path(checkpoint)
     if not path.exists():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist; {_broken_link_hint(path)}")
+        raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist; {_broken_link_hint(path)}")
     if path.is_dir():
         path = _pick_in_folder(path)
     elif not path.is_file():
@@ -131,7 +144,10 @@ def check_hub_link(path: Path, repo: Path, entry: str | None = None) -> None:
 
 
 def _pick_in_folder(folder: Path) -> Path:
-    """The one index or weights file of a folder, safetensors first, standard names before others."""
+    """The one index or weights file of a folder, safetensors first, standard names before others.
+
+    accelerate 1.15 takes ``pytorch_model.bin`` first when a folder holds one: a warning says so
+    when bigmodel picks a safetensors checkpoint next to it."""
     entries = sorted(folder.iterdir())
     names = [p.name for p in entries if p.is_file()]
     broken = [p for p in entries if p.is_symlink() and not p.exists() and p.name.endswith(WEIGHT_SUFFIXES)]
@@ -144,11 +160,11 @@ def _pick_in_folder(folder: Path) -> Path:
         [n for n in names if n.endswith(PICKLE_SUFFIXES)],
     ]
     for found in tiers:
-        if len(found) == 1:
-            return folder / found[0]
         standard = [n for n in found if n in STANDARD_NAMES]
-        if len(standard) == 1:
-            return folder / standard[0]
+        if len(found) == 1 or len(standard) == 1:
+            chosen = folder / (found[0] if len(found) == 1 else standard[0])
+            _warn_if_accelerate_picks_the_pickle(chosen, names)
+            return chosen
         if len(found) > 1:
             raise ValueError(
                 f"Checkpoint folder {str(folder)!r} holds several candidate checkpoints: {found}; "
@@ -157,6 +173,23 @@ def _pick_in_folder(folder: Path) -> Path:
     raise ValueError(
         f"Checkpoint folder {str(folder)!r} holds no weights: no *.index.json, .safetensors, .bin, .pt or .pth "
         f"file (found: {names[:20]}); pass the path of the weights file."
+    )
+
+
+_PICKLE_STANDARD_NAME = "pytorch_model.bin"
+_WARNED_FOLDERS: set[Path] = set()
+
+
+def _warn_if_accelerate_picks_the_pickle(chosen: Path, names: list[str]) -> None:
+    """Warn (once per folder) that accelerate loads ``pytorch_model.bin`` from a folder where bigmodel
+    chose a safetensors checkpoint: the two files may hold different weights (a stale copy)."""
+    if chosen.name == _PICKLE_STANDARD_NAME or _PICKLE_STANDARD_NAME not in names or chosen.parent in _WARNED_FOLDERS:
+        return
+    _WARNED_FOLDERS.add(chosen.parent)
+    logger.warning(
+        "Checkpoint folder %r holds both %s and %s; loading %s (safetensors: read lazily, no pickle). "
+        "accelerate 1.15 loads %s from such a folder; pass that file's path to load it instead.",
+        str(chosen.parent), chosen.name, _PICKLE_STANDARD_NAME, chosen.name, _PICKLE_STANDARD_NAME,
     )
 
 

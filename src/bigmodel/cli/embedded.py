@@ -145,7 +145,7 @@ def convert_gguf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     settings.pop("_model_name_or_path", None)
     config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
     config.dtype = torch.float32
-    with init_empty_weights():
+    with init_empty_weights(include_buffers=False):  # buffers real, whatever ACCELERATE_INIT_INCLUDE_BUFFERS says
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()
     with gguf_progress_like_bigmodel(), name_maps_built_once():  # transformers rebuilds one name map per submodule otherwise (seconds)

@@ -15,6 +15,7 @@ wraps it instead of the original.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ class _Placement:
     device: torch.device
     include_buffers: bool
 
+
+# The environment variable accelerate reads when ``include_buffers`` is None; honoured so that a
+# deployment configured for accelerate builds the same models.
+INCLUDE_BUFFERS_ENV = "ACCELERATE_INIT_INCLUDE_BUFFERS"
+_TRUE = ("1", "y", "yes", "t", "true", "on")
+_FALSE = ("0", "n", "no", "f", "false", "off")
 
 # Open contexts are per thread (a model built in another thread meanwhile is unaffected);
 # the class-level patch is shared, installed while any thread has a context open.
@@ -141,18 +148,39 @@ class _SkipMetaInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _default_include_buffers() -> bool:
+    """``include_buffers`` when the caller passed None: the ``ACCELERATE_INIT_INCLUDE_BUFFERS``
+    environment variable (``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``), False if
+    unset or empty.
+
+    Raises:
+        ValueError: the variable holds anything else (names it and the accepted values).
+    """
+    text = os.environ.get(INCLUDE_BUFFERS_ENV, "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE or not text:
+        return False
+    raise ValueError(
+        f"{INCLUDE_BUFFERS_ENV}={os.environ[INCLUDE_BUFFERS_ENV]!r} is not a boolean; set it to one of "
+        f"{list(_TRUE)} or {list(_FALSE)}, or unset it."
+    )
+
+
 @contextlib.contextmanager
 def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | None = None) -> Iterator[None]:
     """Context manager: parameters (and buffers if ``include_buffers``) created inside land on ``device``.
 
     Args:
         device: target device (``"meta"``, ``"cpu"``, ``0``, ``"cuda:1"``, a torch.device).
-        include_buffers: also place buffers on ``device``.  Defaults to False; with True
-            every tensor created inside the context (temporaries included) is created on
-            ``device`` directly, which is the fastest way to build a model.
+        include_buffers: also place buffers on ``device``.  None (the default) reads the
+            environment variable ``ACCELERATE_INIT_INCLUDE_BUFFERS`` as accelerate does (False
+            when unset); with True every tensor created inside the context (temporaries
+            included) is created on ``device`` directly, which is the fastest way to build a model.
 
     Raises:
-        ValueError: ``device`` is not a device spec, or names an accelerator torch cannot see.
+        ValueError: ``device`` is not a device spec, or names an accelerator torch cannot see;
+            ``include_buffers`` is None and ``ACCELERATE_INIT_INCLUDE_BUFFERS`` is not a boolean.
 
     Example::
 
@@ -162,6 +190,8 @@ def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | No
     from .devices import torch_device
 
     target = torch_device(device) if not isinstance(device, torch.device) else device
+    if include_buffers is None:
+        include_buffers = _default_include_buffers()
     placement = _Placement(target, bool(include_buffers))
     with _LOCK:
         if not _OPEN[0]:
@@ -191,9 +221,13 @@ def init_on_device(device: DeviceSpec | torch.device, include_buffers: bool | No
 def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
     """Context manager: build a model whose parameters live on the ``meta`` device (no memory).
 
-    Buffers stay real (on CPU) unless ``include_buffers`` is True, so computed buffers such
-    as rotary frequencies keep their values.  Load weights afterwards with
+    Buffers stay real (on CPU) unless ``include_buffers`` is True (or, when it is None, the
+    environment variable ``ACCELERATE_INIT_INCLUDE_BUFFERS`` is true, as with accelerate), so
+    computed buffers such as rotary frequencies keep their values.  Load weights afterwards with
     :func:`bigmodel.load_checkpoint_and_dispatch`.
+
+    Raises:
+        ValueError: ``include_buffers`` is None and ``ACCELERATE_INIT_INCLUDE_BUFFERS`` is not a boolean.
 
     Example::
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -16,6 +17,8 @@ import torch
 from torch import nn
 
 from .subclasses import is_tensor_subclass, stored_nbytes
+
+logger = logging.getLogger(__name__)
 
 _SIZE_UNITS = {
     "": 1,
@@ -29,7 +32,11 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE_STRING = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$")
+_SIZE_STRING = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
+# Decimal units written with a lowercase "b" ("10gb", "500Mb"): accelerate reads them as bits (an
+# eighth of the bytes); bigmodel reads bytes and says so once per spelling.
+_BIT_LOOKING_UNITS = ("kb", "mb", "gb")
+_WARNED_BIT_UNITS: set[str] = set()
 
 # Names accepted for a dtype given as a string (planning and the CLI use them).
 _DTYPE_ALIASES = {
@@ -67,7 +74,9 @@ def convert_file_size_to_int(size: int | str) -> int:
     Args:
         size: an int (bytes) or a string such as ``"10GiB"``, ``"500MB"``, ``"1.5GB"``,
             ``"2KB"``.  KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2; units are
-            case-insensitive.  A bare number string is bytes.
+            case-insensitive.  A bare number string is bytes.  accelerate reads ``"10gb"`` or
+            ``"500Mb"`` (a lowercase final ``b``) as bits, an eighth of these bytes: such a
+            spelling is logged once as a warning.
 
     Returns:
         The size in bytes.
@@ -84,12 +93,27 @@ def convert_file_size_to_int(size: int | str) -> int:
     if isinstance(size, float) and 0 <= size < math.inf:  # nan and inf fall through to the error
         return int(size)
     if isinstance(size, str):
-        match = _SIZE_STRING.match(size.lower())
-        if match and match.group("unit") in _SIZE_UNITS:
-            return int(float(match.group("number")) * _SIZE_UNITS[match.group("unit")])
+        match = _SIZE_STRING.match(size)
+        unit = match.group("unit") if match else None
+        if unit is not None and unit.lower() in _SIZE_UNITS:
+            nbytes = int(float(match.group("number")) * _SIZE_UNITS[unit.lower()])
+            _warn_if_bits_in_accelerate(size, match.group("number"), unit, nbytes)
+            return nbytes
     raise ValueError(
         f"Size {size!r} is not a memory size; use bytes (int) or a string such as '10GiB', "
         "'500MB', '1.5GB' (KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2)."
+    )
+
+
+def _warn_if_bits_in_accelerate(size: str, number: str, unit: str, nbytes: int) -> None:
+    """Warn once per spelling when accelerate would read ``size`` as bits (``"10gb"``: 1.25 GB there)."""
+    if not unit.endswith("b") or unit.lower() not in _BIT_LOOKING_UNITS or size in _WARNED_BIT_UNITS:
+        return
+    _WARNED_BIT_UNITS.add(size)
+    logger.warning(
+        "Size %r is read as %d bytes; accelerate reads a unit ending in a lowercase 'b' as bits (%d bytes). "
+        "Write %r to keep this meaning without the warning.",
+        size, nbytes, nbytes // 8, f"{number}{unit[:-1].upper()}B",
     )
 
 
@@ -257,7 +281,7 @@ def compute_module_total_buffer_size(
 def get_max_layer_size(
     modules: list[tuple[str, nn.Module]],
     module_sizes: Mapping[str, int],
-    no_split_module_classes: list[str] | None,
+    no_split_module_classes: list[str] | str | None,
 ) -> tuple[int, list[str]]:
     """The largest "layer" under ``modules`` and the names of all layers of that size.
 
@@ -267,11 +291,14 @@ def get_max_layer_size(
     Args:
         modules: ``(name, module)`` pairs to search, e.g. ``list(model.named_children())``.
         module_sizes: bytes per name, from :func:`compute_module_sizes`.
-        no_split_module_classes: class names never split.
+        no_split_module_classes: class names never split; one name may be given as a plain
+            string (``"LlamaDecoderLayer"``), as ``infer_auto_device_map`` accepts it.
 
     Returns:
         ``(max_size_in_bytes, [layer names with that size])``.
     """
+    if isinstance(no_split_module_classes, str):
+        no_split_module_classes = [no_split_module_classes]
     no_split = set(no_split_module_classes or ())
     max_size, names = 0, []
     stack = list(reversed(modules))

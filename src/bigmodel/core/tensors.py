@@ -74,19 +74,25 @@ def get_submodule_and_name(module: nn.Module, tensor_name: str) -> tuple[nn.Modu
 
 
 def _cast(value: torch.Tensor, old: torch.Tensor | None, dtype: torch.dtype | None, non_blocking: bool) -> torch.Tensor:
-    """Floating values take ``dtype`` (or the old tensor's floating dtype); int/bool values keep theirs,
-    except into a floating old tensor (torch's ``load_state_dict`` copies them into it): they take
-    ``dtype`` if it is floating, else the old tensor's dtype."""
-    if not value.is_floating_point():
-        if old is None or not old.is_floating_point():
-            return value
-        target = dtype if dtype is not None and dtype.is_floating_point else old.dtype
-        return value.to(target, non_blocking=non_blocking)
+    """With ``dtype``, floating values take it; int/bool values keep theirs, except into a floating
+    current tensor (an integer checkpoint tensor for a float weight): they take ``dtype`` if it is
+    floating, else the current tensor's dtype.  Without ``dtype``, the value takes the current
+    tensor's dtype, whatever the two kinds: torch's ``load_state_dict`` rule, which accelerate's
+    ``set_module_tensor_to_device`` follows (a float16 value for a bool mask stays a bool mask, an
+    int32 value for an int64 ``position_ids`` becomes int64, an integer value for a float parameter
+    becomes float)."""
     if dtype is not None:
-        return value.to(dtype, non_blocking=non_blocking)
-    if old is not None and old.is_floating_point() and old.dtype != value.dtype:
-        return value.to(old.dtype, non_blocking=non_blocking)
-    return value
+        if value.is_floating_point():
+            return value.to(dtype, non_blocking=non_blocking)
+        if old is None or not old.is_floating_point() or is_tensor_subclass(value):
+            return value
+        target = dtype if dtype.is_floating_point else old.dtype
+        return value.to(target, non_blocking=non_blocking)
+    if old is None or old.dtype == value.dtype:
+        return value
+    if is_tensor_subclass(value) and not (value.is_floating_point() and old.is_floating_point()):
+        return value  # a quantized wrapper (torchao) keeps its storage: only float-to-float casts apply
+    return value.to(old.dtype, non_blocking=non_blocking)
 
 
 def as_parameter(value: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
@@ -117,8 +123,9 @@ def set_module_tensor_to_device(
         tensor_name: dotted name, e.g. ``"layers.0.attn.q_proj.weight"``.
         device: target device spec (not ``"disk"``).
         value: new value (any device); its shape must equal the current tensor's.
-        dtype: dtype for floating values; by default a floating value takes the current
-            tensor's floating dtype.  Integer and bool values always keep their dtype.
+        dtype: dtype for floating values (integer and bool values keep theirs); also casts the
+            current tensor when ``value`` is None.  By default the value takes the current
+            tensor's dtype, as torch's ``load_state_dict`` copies it (int and bool tensors too).
         fp16_statistics: quantisation statistics stored as ``module.SCB`` (bitsandbytes int8).
         tied_params_map: ``data_ptr → {device: tensor}``; when the value's storage already has a
             copy on ``device``, that copy is reused (tied weights materialised once per device).

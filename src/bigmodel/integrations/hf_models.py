@@ -123,7 +123,7 @@ def build_on_meta(cls: type, config: Any, dtype: torch.dtype, source: str = "the
     transformers = importlib.import_module("transformers")
     is_model = issubclass(cls, transformers.PreTrainedModel)
     try:
-        with init_empty_weights():
+        with init_empty_weights(include_buffers=False):  # buffers real, whatever ACCELERATE_INIT_INCLUDE_BUFFERS says
             model = cls._from_config(config, dtype=dtype) if is_model else cls.from_config(config, dtype=dtype)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(

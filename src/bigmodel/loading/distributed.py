@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from ..checkpoints.resolve import CheckpointNotFoundError
 from ..core.devices import accelerator_type
 from ..core.file_maps import is_mapped
 from ..core.sizes import to_dtype
@@ -200,7 +201,7 @@ def _announce(checkpoint: str | os.PathLike) -> tuple[RankZeroReader | None, lis
 
 
 def _rebuild_error(type_name: str, message: str) -> Exception:
-    cls = getattr(builtins, type_name, None)
+    cls = CheckpointNotFoundError if type_name == CheckpointNotFoundError.__name__ else getattr(builtins, type_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
         cls = RuntimeError
     return cls(f"rank 0 failed to read the checkpoint: {message}")

@@ -22,11 +22,7 @@ from ..core.devices import (
     device_sort_key,
     normalize_device,
 )
-from ..core.sizes import (
-    compute_module_sizes,
-    convert_file_size_to_int,
-    get_max_layer_size,
-)
+from ..core.sizes import compute_module_sizes, convert_file_size_to_int
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +30,9 @@ Budgets = dict[int | str, int]
 
 # Share of a single accelerator used when the caller gave no budget: the rest is left for activations.
 _SINGLE_ACCELERATOR_SHARE = 0.9
-# Balanced budgets add this many largest layers on top of an even share, so greedy filling does not
-# push the tail of the model off the last accelerator.
+# Balanced budgets add this many "layers" on top of an even share, so greedy filling does not push the
+# tail of the model off the last accelerator.  A layer is the larger of the largest no-split module and
+# the mean leaf module: accelerate 1.15's slack, so "balanced" maps are the ones its users know.
 _BALANCE_SLACK_LAYERS = 1.25
 
 _ACCEPTED_KEYS = "an accelerator index (0, 1, ...), a string like 'cuda:0' or 'xpu:1', 'cpu' or 'disk'"
@@ -102,6 +99,24 @@ def get_max_memory(max_memory: Mapping[DeviceSpec, int | str] | None = None) -> 
     return dict(sorted(budgets.items(), key=lambda item: device_sort_key(item[0])))
 
 
+def _balance_layer_size(
+    model: nn.Module, sizes: Mapping[str, int], no_split_module_classes: list[str] | str | None
+) -> int:
+    """Bytes of the "layer" that balanced budgets leave room for: the largest module of a no-split
+    class, or the mean of the leaf modules that hold tensors (root excluded), whichever is larger."""
+    no_split = no_split_module_classes or ()
+    no_split = {no_split} if isinstance(no_split, str) else set(no_split)
+    largest_no_split, leaves = 0, []
+    for name, module in model.named_modules():
+        size = sizes.get(name, 0)
+        if type(module).__name__ in no_split:
+            largest_no_split = max(largest_no_split, size)
+        if name and size > 0 and next(module.children(), None) is None:
+            leaves.append(size)
+    mean_leaf = sum(leaves) // len(leaves) if leaves else 0
+    return max(largest_no_split, mean_leaf)
+
+
 def get_balanced_memory(
     model: nn.Module,
     max_memory: Mapping[DeviceSpec, int | str] | None = None,
@@ -112,10 +127,12 @@ def get_balanced_memory(
 ) -> Budgets:
     """Budgets that spread ``model`` evenly over the accelerators.
 
-    Every accelerator but the last is capped at an even share of the model plus slack
-    (1.25 largest layers), so filling the accelerators in order leaves each about as full
-    as the others; the last one keeps its whole budget for the remainder.  ``"cpu"`` and
-    ``"disk"`` budgets are unchanged.
+    Every accelerator but the last is capped at an even share of the model (rounded down)
+    plus slack, so filling the accelerators in order leaves each about as full as the others;
+    the last one keeps its whole budget for the remainder.  The slack is 1.25 times the larger
+    of the largest module of a ``no_split_module_classes`` class and the mean size of the leaf
+    modules holding tensors (the root excluded), the budgets accelerate 1.15 gives.  ``"cpu"``
+    and ``"disk"`` budgets are unchanged.
 
     Args:
         model: the model (meta is fine: only sizes are read).
@@ -146,11 +163,8 @@ def get_balanced_memory(
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     low_zero = low_zero and len(accelerators) > 1
     sharing = accelerators[1:] if low_zero else accelerators
-    no_split = no_split_module_classes or ()
-    no_split = {no_split} if isinstance(no_split, str) else set(no_split)
-    largest_layer, _ = get_max_layer_size([("", model)], sizes, sorted(no_split))
-    slack = int(_BALANCE_SLACK_LAYERS * largest_layer)
-    share = -(-sizes[""] // len(sharing)) + slack
+    slack = int(_BALANCE_SLACK_LAYERS * _balance_layer_size(model, sizes, no_split_module_classes))
+    share = sizes[""] // len(sharing) + slack
     for device in sharing[:-1]:
         budgets[device] = min(budgets[device], share)
     if low_zero:

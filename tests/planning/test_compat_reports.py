@@ -1,0 +1,64 @@
+"""Behaviours code written for accelerate 1.15.0 relies on, found by running the same snippet on both.
+
+The expected budgets below are the values accelerate 1.15.0's ``get_balanced_memory`` returned
+for the same models and budgets (run side by side on a CPU-only machine: budgets keyed 0, 1, 2
+are plain numbers to both).
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from bigmodel import get_balanced_memory, init_empty_weights
+
+BIG = 10**7
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ls = nn.ModuleList([nn.Linear(2, 2) for _ in range(10)])  # ten leaves of 24 bytes
+
+
+class _OneBigLeaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(100, 100)  # 40,400 bytes
+        self.blk = _Block()
+
+
+@pytest.mark.parametrize("no_split", [None, ["_Block"]])
+def test_balanced_slack_is_the_mean_leaf_when_no_split_modules_are_smaller(no_split):
+    # 40,640 bytes over 2 accelerators: 20,320 each, plus 1.25 x the mean of the 11 leaves (3,694):
+    # accelerate gives 24,937 (a slack from the largest leaf, 40,400, gave 70,820 and a map with
+    # nearly everything on accelerator 0).
+    budgets = get_balanced_memory(_OneBigLeaf(), {0: BIG, 1: BIG, "cpu": BIG}, no_split_module_classes=no_split)
+    assert budgets == {0: 24_937, 1: BIG, "cpu": BIG}
+    three = get_balanced_memory(_OneBigLeaf(), {0: BIG, 1: BIG, 2: BIG, "cpu": BIG}, no_split, low_zero=True)
+    assert three == {0: 0, 1: 24_937, 2: BIG, "cpu": BIG}
+
+
+def _llama(vocab: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    with init_empty_weights():
+        return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "no_split", "first"),
+    [
+        (2000, None, 350_965),  # mean leaf 16,516 (the 256,000-byte embedding is one of 40 leaves)
+        (2000, ["LlamaDecoderLayer"], 376_720),  # largest decoder layer 37,120, not the embedding
+        (2000, ["LlamaMLP"], 361_040),
+        (64, None, 87_668),
+        (64, ["LlamaDecoderLayer"], 128_912),
+    ],
+)
+def test_balanced_budgets_of_a_llama_match_accelerate(vocab, no_split, first):
+    model = _llama(vocab)
+    assert get_balanced_memory(model, {0: BIG, 1: BIG, "cpu": BIG}, no_split)[0] == first
