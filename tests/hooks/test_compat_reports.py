@@ -60,14 +60,6 @@ def test_a_parameter_registered_after_offload_is_loaded_from_the_weights_map():
     torch.testing.assert_close(model[0](x), plain * 2.0, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hooks/forward.py: module._old_forward is a WeakBoundMethod (kept weak so `del model` frees "
-    "memory); unlike accelerate 1.15's bound method it has no __name__ and does not compare equal to "
-    "the original forward (`module._old_forward == original`, used to check what a hook wraps). Fix: "
-    "give WeakBoundMethod __name__/__qualname__/__doc__ from the function, and __eq__/__hash__ equal "
-    "to the bound method's (same __func__, same __self__).",
-)
 def test_old_forward_looks_like_the_original_bound_method():
     from bigmodel.hooks import ModelHook, add_hook_to_module
 

@@ -25,17 +25,14 @@ from ..core.tensors import (
     name_prefixes,
     retie_parameters,
 )
-from ..hooks.align import (
-    attach_align_device_hook_on_blocks,
-    tie_offloaded,
-    tie_to_resident,
-)
+from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded, tie_to_resident
 from ..hooks.align_hook import offload_hook_of
 from ..offload.quantized import check_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
     PrefixedDataset,
     extract_submodules_state_dict,
+    load_offload_index,
 )
 from ..transfer.pinned import check_pinnable, pin_module_tensors, pin_tensors
 from .quantized_offload import quantize_in_ram, store_on_disk, wrap_weights_map
@@ -287,6 +284,8 @@ def dispatch_model(
     offload = {name: d in offloaded_kinds for name, d in device_map.items()}
     weights_map = None
     if state_dict is not None or disk_modules or offload_index is not None:
+        if disk_modules and offload_index is None:  # the index _disk_weights wrote ({} if it had nothing to write)
+            offload_index = load_offload_index(offload_dir)
         weights_map = OffloadedWeightsLoader(
             state_dict=state_dict or {}, save_folder=offload_dir if disk_modules else None, index=offload_index
         )

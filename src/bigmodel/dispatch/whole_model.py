@@ -265,7 +265,8 @@ def disk_offload(
     rest, quantized = store_on_disk(model, offload_dir, state, form)
     ensure_offloaded(offload_dir, rest)
     device = execution_device if execution_device is not None else _default_device(model)
-    weights_map = wrap_weights_map(OffloadedWeightsLoader(save_folder=offload_dir), form, None, offload_dir, quantized)
+    loader = OffloadedWeightsLoader(save_folder=offload_dir, index=load_offload_index(offload_dir))  # {} if no tensor
+    weights_map = wrap_weights_map(loader, form, None, offload_dir, quantized)
     _attach_whole_model(model, device, weights_map, offload_buffers, preload_module_classes)
     return model
 

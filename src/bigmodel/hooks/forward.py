@@ -56,10 +56,53 @@ class ModuleBound:
         return self
 
 
+class _OfFunction:
+    """An attribute of a :class:`WeakBoundMethod` read from its function (on the class: ``default``)."""
+
+    def __init__(self, name: str, default: Any = None) -> None:
+        self.name, self.default = name, default
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self.default
+        module = obj._ref()
+        if module is None:  # freed: no function to ask (every object has a __doc__)
+            if self.name == "__doc__":
+                return None
+            raise AttributeError(self.name)
+        return getattr(type(module).forward, self.name)
+
+
 class WeakBoundMethod(ModuleBound):
-    """``type(module).forward`` bound to ``module``, looked up at each call."""
+    """``type(module).forward`` bound to ``module``, looked up at each call.
+
+    Like the bound method it stands for, it has the function's ``__name__``, ``__qualname__`` and
+    ``__doc__``, and compares (and hashes) equal to ``module.forward`` as bound before hooking.
+    """
 
     __slots__ = ()
+    __doc__ = _OfFunction("__doc__", __doc__)  # type: ignore[assignment]
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names the class does not define
+        if name in ("__name__", "__qualname__"):
+            return _OfFunction(name).__get__(self)
+        raise AttributeError(name)
+
+    def _bound(self) -> Any:
+        """The equivalent bound method (None once the module was freed)."""
+        module = self._ref()
+        return None if module is None else type(module).forward.__get__(module)
+
+    def __eq__(self, other: object) -> bool:
+        mine = self._bound()
+        theirs = other._bound() if isinstance(other, WeakBoundMethod) else other
+        if mine is None or theirs is None:
+            return self is other
+        return mine == theirs
+
+    def __hash__(self) -> int:
+        mine = self._bound()
+        return object.__hash__(self) if mine is None else hash(mine)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._ref()

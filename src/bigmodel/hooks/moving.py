@@ -27,14 +27,14 @@ def _skip_set(skip_keys: str | Iterable[str] | None) -> frozenset[str]:
 
 
 def send_to_device(
-    obj: Any, device: Any, non_blocking: bool = False, skip_keys: str | Iterable[str] | None = None
+    tensor: Any, device: Any, non_blocking: bool = False, skip_keys: str | Iterable[str] | None = None
 ) -> Any:
-    """Return ``obj`` with every tensor inside moved to ``device``.
+    """Return ``tensor`` with every tensor inside moved to ``device``.
 
     Args:
-        obj: a tensor, or a (nested) tuple, list, namedtuple, dict/Mapping, dataclass, or an
+        tensor: a tensor, or a (nested) tuple, list, namedtuple, dict/Mapping, dataclass, or an
             object with a ``.to`` method (``BatchEncoding``).  Anything else comes back as is.
-        device: a torch device or device spec (``0``, ``"cpu"``).  None returns ``obj`` unchanged.
+        device: a torch device or device spec (``0``, ``"cpu"``).  None returns ``tensor`` unchanged.
         non_blocking: asynchronous host↔device copies.
         skip_keys: mapping keys (at any depth) whose values are left where they are.
 
@@ -43,8 +43,8 @@ def send_to_device(
         there are returned as the same objects.
     """
     if device is None:
-        return obj
-    return _move(obj, device, non_blocking, _skip_set(skip_keys))
+        return tensor
+    return _move(tensor, device, non_blocking, _skip_set(skip_keys))
 
 
 _LEAVES = (str, bytes, int, float, bool, type(None))

@@ -96,13 +96,13 @@ def offload_weight(
     return index
 
 
-def save_offload_index(index: Mapping[str, dict] | None, folder: str | os.PathLike) -> None:
-    """Merge ``index`` into ``<folder>/index.json`` and replace it atomically.
+def save_offload_index(index: Mapping[str, dict] | None, offload_folder: str | os.PathLike) -> None:
+    """Merge ``index`` into ``<offload_folder>/index.json`` and replace it atomically.
 
     Args:
         index: tensor name → entry, as :func:`offload_weight` builds it; entries replace those
             of the same names already in the file.  None or empty writes nothing.
-        folder: the offload folder (it must exist when there is something to write).
+        offload_folder: the offload folder (it must exist when there is something to write).
 
     Raises:
         ValueError: the existing ``index.json`` is not a valid index (names the file).
@@ -110,7 +110,7 @@ def save_offload_index(index: Mapping[str, dict] | None, folder: str | os.PathLi
     """
     if not index:
         return
-    folder = Path(folder)
+    folder = Path(offload_folder)
     merged = load_offload_index(folder)
     merged.update(index)
     write_index(merged, folder)
@@ -194,7 +194,11 @@ class OffloadedWeightsLoader(Mapping):
         device: if given, tensors read from disk are moved there; otherwise they are
             zero-copy memory-mapped CPU tensors (``.dat`` and safetensors entries alike).
 
+    Attributes:
+        save_folder: the folder as the caller gave it (a ``str`` stays a ``str``), or None.
+
     Raises:
+        FileNotFoundError: ``index`` is None and ``save_folder`` has no ``index.json`` (names the file).
         ValueError: ``index`` is given without ``save_folder`` while it holds ``.dat`` entries.
     """
 
@@ -208,11 +212,17 @@ class OffloadedWeightsLoader(Mapping):
         if state_dict is None and save_folder is None and index is None:
             raise ValueError("OffloadedWeightsLoader needs a state_dict, a save_folder or an index.")
         self.state_dict = {} if state_dict is None else state_dict
-        self.save_folder = None if save_folder is None else Path(save_folder)
-        if index is None and self.save_folder is not None:
-            index = load_offload_index(self.save_folder)
+        self.save_folder = save_folder  # as given (str stays str): callers read and join it
+        self._folder = None if save_folder is None else Path(save_folder)
+        if index is None and self._folder is not None:
+            if not (self._folder / INDEX_NAME).is_file():
+                raise FileNotFoundError(
+                    f"OffloadedWeightsLoader: {str(self._folder / INDEX_NAME)!r} does not exist; pass the "
+                    "offload folder that holds it (as written by offload_state_dict), or index=."
+                )
+            index = load_offload_index(self._folder)
         self.index = dict(index or {})
-        if self.save_folder is None and any("safetensors_file" not in e for e in self.index.values()):
+        if self._folder is None and any("safetensors_file" not in e for e in self.index.values()):
             raise ValueError("OffloadedWeightsLoader: the index has .dat entries; pass save_folder= to locate them.")
         self.device = device
         self.all_keys = list(self.state_dict) + [k for k in self.index if k not in self.state_dict]
@@ -257,9 +267,9 @@ class OffloadedWeightsLoader(Mapping):
                 return detached(cached)
             info = self.index[key]
             if "safetensors_file" in info:
-                tensor = _read_safetensors_entry(info, key, self._files, self.save_folder)
+                tensor = _read_safetensors_entry(info, key, self._files, self._folder)
             else:
-                tensor = load_offloaded_weight(dat_path(self.save_folder, key), info)  # type: ignore[arg-type]
+                tensor = load_offloaded_weight(dat_path(self._folder, key), info)  # type: ignore[arg-type]
             if tensor.numel() and not _file_backed(tensor):
                 return tensor  # a cast, realigned or unprotected copy: not kept (it is not file-backed memory)
             self._mapped[key] = tensor
