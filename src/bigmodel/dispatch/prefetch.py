@@ -208,8 +208,11 @@ class Prefetcher:
         return len(self._pending)
 
     def read(self, hook: Any) -> dict[str, torch.Tensor]:
-        """The hook's offloaded values from its weights map (serialised with the background reads)."""
+        """The values the hook puts in at its forward, from the weights maps (serialised with the background reads)."""
         with self.read_lock:
+            read_values = getattr(hook, "read_values", None)
+            if read_values is not None:
+                return read_values()
             return read_offloaded(hook.weights_map, hook.offloaded_names)
 
     def take(self, hook: Any) -> Mapping[str, torch.Tensor]:
@@ -228,7 +231,7 @@ class Prefetcher:
             if key not in self._position:
                 self._position[key] = len(self._order)
                 self._order.append(weakref.ref(hook))
-                self._bytes.append(hook.offloaded_bytes)
+                self._bytes.append(getattr(hook, "staged_bytes", hook.offloaded_bytes))
                 return
             self.recording = False
             self._largest = max(self._bytes)
@@ -314,7 +317,7 @@ class Prefetcher:
         log(
             "Out of device memory while prefetching %r (%d bytes); it is read when it runs instead. "
             "Leave more room on the execution device (max_memory) or set %s=0 to stop prefetching. (%s)",
-            getattr(hook, "module_name", "") or type(hook).__name__, getattr(hook, "offloaded_bytes", 0),
+            getattr(hook, "module_name", "") or type(hook).__name__, getattr(hook, "staged_bytes", 0),
             DEPTH_ENV, str(error).splitlines()[0] if str(error) else type(error).__name__,
         )
 
@@ -359,10 +362,10 @@ def enable_prefetch(
     Returns:
         The prefetcher, or None when disabled or nothing is offloaded.
     """
-    from ..hooks.align_hook import offload_hook_of
+    from ..hooks.align_hook import loading_hook_of
 
     depth = _configured_depth(depth)
-    hooks = [hook for module in model.modules() if (hook := offload_hook_of(module)) is not None]
+    hooks = [hook for module in model.modules() if (hook := loading_hook_of(module)) is not None]
     for hook in hooks:
         hook.prefetcher = None
     if depth == 0 or len(hooks) < 2:

@@ -8,6 +8,7 @@ which hook (per module, per block of a device map).  The whole-model hooks of
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,12 +16,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..core.devices import accelerator_count, accelerator_type
+from ..core.devices import accelerator_count, accelerator_type, torch_device
 from ..core.tensors import named_module_tensors
 from .align_hook import AlignDevicesHook, has_offloaded_params, offload_hook_of
 from .moving import own_parameters_moved
 from .placeholders import OffloadedParameter
-from .registry import ModelHook, add_hook_to_module, remove_hook_from_module  # noqa: F401
+from .registry import ModelHook, add_hook_to_module, iter_hooks, remove_hook_from_module  # noqa: F401
+
+BLOCK_HOOKS_ENV = "BIGMODEL_BLOCK_HOOKS"  # "0": the submodules of an offloaded block run their own hooks
 
 __all__ = [
     "AlignDevicesHook",
@@ -218,6 +221,41 @@ def _apply_block(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -
     if plan.per_block_map:
         attach_execution_device_hook(module, plan.device, shared.skip_keys, shared.preload_module_classes,
                                      shared.tied_params_map)
+        if plan.name and os.environ.get(BLOCK_HOOKS_ENV, "1").strip() != "0":
+            _gather_members(module, offloaded=plan.kind == "offloaded" and _runs_on_cpu(plan.device))
+
+
+def _runs_on_cpu(device: Any) -> bool:
+    try:
+        return torch_device(device).type == "cpu"
+    except (TypeError, ValueError):
+        return False
+
+
+def _gather_members(block: nn.Module, offloaded: bool) -> None:
+    """Make the block's hook do the work of its submodules' hooks inside the block's forward
+    (:meth:`AlignDevicesHook.set_members`): a decode step runs one hook per block, not one per submodule.
+
+    Each submodule keeps its own hook (``_hf_hook``: used when it is called outside the block's
+    forward, and read by ``align_module_device``, peft and transformers).  The hooks that only move
+    inputs are always taken over.  Offloading hooks only when ``offloaded`` (a block run on the CPU,
+    where putting a weight in uses the offloaded value in place, with no copy: the block's weights
+    then cost no memory while it runs; on an accelerator each submodule keeps bringing in its own
+    weights, as the device keeps room for one offloaded layer).  A submodule with more hooks than
+    its AlignDevicesHook (layerwise casting) runs them itself.
+    """
+    leader = next((hook for hook in iter_hooks(block.__dict__.get("_hf_hook")) if isinstance(hook, AlignDevicesHook)),
+                  None)
+    if leader is None:
+        return
+    members = []
+    for sub in block.modules():
+        hook = sub.__dict__.get("_hf_hook")
+        if (sub is not block and isinstance(hook, AlignDevicesHook) and not hook.members
+                and (offloaded or not hook.offload) and "forward" in sub.__dict__):
+            members.append((sub, hook))
+    if members:
+        leader.set_members(members)
 
 
 def _give_block_a_hook(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -> None:
