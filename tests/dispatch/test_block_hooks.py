@@ -198,3 +198,18 @@ def test_per_submodule_hooks_with_the_switch_off(folder, tmp_path, monkeypatch):
     with torch.no_grad():
         model(IDS)
     assert counter.counts["model.layers.1"] == 12  # the layer, attention, mlp, 7 Linears, 2 norms
+
+
+def test_a_forward_set_on_a_submodule_before_dispatch_still_runs_in_its_block(folder, tmp_path):
+    reference = _reference(folder)
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    model.eval()
+    for m in (reference, model):
+        down = m.model.layers[1].mlp.down_proj
+        down.forward = lambda x, down=down: 3 * torch.nn.functional.linear(x, down.weight)
+    load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)

@@ -250,8 +250,8 @@ def _gather_members(block: nn.Module, offloaded: bool) -> None:
     members = []
     for sub in block.modules():
         hook = sub.__dict__.get("_hf_hook")
-        if (sub is not block and isinstance(hook, AlignDevicesHook) and not hook.members
-                and (offloaded or not hook.offload) and "forward" in sub.__dict__):
+        if (sub is not block and type(hook) is AlignDevicesHook and not hook.members  # subclasses run themselves
+                and (offloaded or not hook.offload)):
             members.append((sub, hook))
     if members:
         leader.set_members(members)

@@ -29,6 +29,7 @@ from ..core.tensors import (
     set_module_tensor_to_device,
 )
 from ..offload.quantized_store import read_offloaded, take_dequantized, take_subclass
+from .forward import HookedForward, WeakBoundMethod
 from .moving import find_device, send_inputs_to_device, send_to_device
 from .placeholders import Slot, make_slot, placeholder_state, placeholder_states
 from .registry import ModelHook, iter_hooks
@@ -318,11 +319,17 @@ class AlignDevicesHook(ModelHook):
         self._bypassed.append(bypassed)
         for member, hook in self.members:
             state = member.__dict__
-            if state.get("_hf_hook") is not hook or "forward" not in state:
+            hooked = state.get("forward")
+            if state.get("_hf_hook") is not hook or type(hooked) is not HookedForward:
                 continue  # its hooks changed since (another hook appended, or removed): they run themselves
             if hook.offload:
                 hook.load_weights(member, split.get(id(hook)))
-            bypassed.append((member, hook, state.pop("forward")))
+            bypassed.append((member, hook, hooked))
+            old = state.get("_old_forward")
+            if type(old) is WeakBoundMethod:
+                del state["forward"]  # the class's forward
+            else:
+                state["forward"] = old  # a forward set on the instance before hooking
 
     def _unload_members(self) -> None:
         for member, hook, forward in self._bypassed.pop() if self._bypassed else ():
