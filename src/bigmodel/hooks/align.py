@@ -285,6 +285,11 @@ def attach_align_device_hook_on_blocks(
     offloading hooks on every module of its subtree; its submodules move their inputs to its
     device.  The root (``module_name == ""``) also moves outputs back to the input device.
 
+    Inside the forward of a named block (not the root) the block's hook does its submodules'
+    hook work for them (they keep their hooks for calls made outside it): moving inputs always,
+    and putting offloaded weights in and out when the block runs on the CPU (all of the block's
+    weights at the start of its forward).  ``BIGMODEL_BLOCK_HOOKS=0`` at attach time turns this off.
+
     Args:
         module: the model (or the subtree named ``module_name``).
         execution_device: a device spec, or a dict block name → device spec.

@@ -50,6 +50,9 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
 class AlignDevicesHook(ModelHook):
     """Puts a module's inputs, and its weights if ``offload``, on ``execution_device`` for its forward.
 
+    The hook of a block of a device map may also do the work of its submodules' hooks inside the
+    block's forward (:meth:`set_members`): one hook runs per block instead of one per submodule.
+
     Args:
         execution_device: where the forward runs (device spec); None leaves inputs and weights alone.
         offload: keep the module's weights in ``weights_map`` and on ``meta`` between forwards.
