@@ -296,11 +296,10 @@ def read_offloaded(
     subclass (torchao's quantized weights) comes as its inner tensors, ``<name>#<part>``;
     :func:`take_subclass` rebuilds the subclass from them on the execution device.
     """
-    if not _may_hold_quantized(weights_map):
-        return {name: weights_map[name] for name in names}
+    quantized = _may_hold_quantized(weights_map)  # asked once, not per name
     values: dict[str, torch.Tensor] = {}
     for name in names:
-        stored = _stored_form(weights_map, name)
+        stored = _stored_form(weights_map, name) if quantized else None
         if stored is None:
             value = weights_map[name]
             if is_tensor_subclass(value):  # moved as its plain parts, rebuilt by take_subclass
