@@ -215,9 +215,16 @@ class Prefetcher:
                 return read_values()
             return read_offloaded(hook.weights_map, hook.offloaded_names)
 
-    def take(self, hook: Any) -> Mapping[str, torch.Tensor]:
-        """The hook's values: the staged ones if a prefetch was started, else read now."""
+    def take(self, hook: Any, read: bool = True) -> Mapping[str, torch.Tensor] | None:
+        """The hook's values: the staged ones if a prefetch was started, else read now.
+
+        With ``read=False``: None where the values are used in place (CPU execution, default
+        staging), where the hook reading them itself gets the same views; what was staged for it is
+        dropped.
+        """
         future = self._pending.pop(id(hook), None)
+        if not read and self.in_place and _on_cpu(hook.device):
+            return None
         if future is not None and not (self.in_place and not future.done() and _on_cpu(hook.device)):
             result = future.result()
             if result is not None:
