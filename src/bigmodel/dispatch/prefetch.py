@@ -208,13 +208,23 @@ class Prefetcher:
         return len(self._pending)
 
     def read(self, hook: Any) -> dict[str, torch.Tensor]:
-        """The hook's offloaded values from its weights map (serialised with the background reads)."""
+        """The values the hook puts in at its forward, from the weights maps (serialised with the background reads)."""
         with self.read_lock:
+            read_values = getattr(hook, "read_values", None)
+            if read_values is not None:
+                return read_values()
             return read_offloaded(hook.weights_map, hook.offloaded_names)
 
-    def take(self, hook: Any) -> Mapping[str, torch.Tensor]:
-        """The hook's values: the staged ones if a prefetch was started, else read now."""
+    def take(self, hook: Any, read: bool = True) -> Mapping[str, torch.Tensor] | None:
+        """The hook's values: the staged ones if a prefetch was started, else read now.
+
+        With ``read=False``: None where the values are used in place (CPU execution, default
+        staging), where the hook reading them itself gets the same views; what was staged for it is
+        dropped.
+        """
         future = self._pending.pop(id(hook), None)
+        if not read and self.in_place and _on_cpu(hook.device):
+            return None
         if future is not None and not (self.in_place and not future.done() and _on_cpu(hook.device)):
             result = future.result()
             if result is not None:
@@ -228,7 +238,7 @@ class Prefetcher:
             if key not in self._position:
                 self._position[key] = len(self._order)
                 self._order.append(weakref.ref(hook))
-                self._bytes.append(hook.offloaded_bytes)
+                self._bytes.append(getattr(hook, "staged_bytes", hook.offloaded_bytes))
                 return
             self.recording = False
             self._largest = max(self._bytes)
@@ -314,7 +324,7 @@ class Prefetcher:
         log(
             "Out of device memory while prefetching %r (%d bytes); it is read when it runs instead. "
             "Leave more room on the execution device (max_memory) or set %s=0 to stop prefetching. (%s)",
-            getattr(hook, "module_name", "") or type(hook).__name__, getattr(hook, "offloaded_bytes", 0),
+            getattr(hook, "module_name", "") or type(hook).__name__, getattr(hook, "staged_bytes", 0),
             DEPTH_ENV, str(error).splitlines()[0] if str(error) else type(error).__name__,
         )
 
@@ -359,10 +369,10 @@ def enable_prefetch(
     Returns:
         The prefetcher, or None when disabled or nothing is offloaded.
     """
-    from ..hooks.align_hook import offload_hook_of
+    from ..hooks.align_hook import loading_hook_of
 
     depth = _configured_depth(depth)
-    hooks = [hook for module in model.modules() if (hook := offload_hook_of(module)) is not None]
+    hooks = [hook for module in model.modules() if (hook := loading_hook_of(module)) is not None]
     for hook in hooks:
         hook.prefetcher = None
     if depth == 0 or len(hooks) < 2:

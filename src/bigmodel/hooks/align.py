@@ -7,20 +7,22 @@ which hook (per module, per block of a device map).  The whole-model hooks of
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..core.devices import accelerator_count, accelerator_type
+from ..core.devices import accelerator_count, accelerator_type, torch_device
 from ..core.tensors import named_module_tensors
 from .align_hook import AlignDevicesHook, has_offloaded_params, offload_hook_of
-from .moving import own_parameters_moved
+from .aligned import align_module_device
 from .placeholders import OffloadedParameter
-from .registry import ModelHook, add_hook_to_module, remove_hook_from_module  # noqa: F401
+from .registry import ModelHook, add_hook_to_module, iter_hooks, remove_hook_from_module  # noqa: F401
+
+BLOCK_HOOKS_ENV = "BIGMODEL_BLOCK_HOOKS"  # "0": the submodules of an offloaded block run their own hooks
 
 __all__ = [
     "AlignDevicesHook",
@@ -218,6 +220,41 @@ def _apply_block(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -
     if plan.per_block_map:
         attach_execution_device_hook(module, plan.device, shared.skip_keys, shared.preload_module_classes,
                                      shared.tied_params_map)
+        if plan.name and os.environ.get(BLOCK_HOOKS_ENV, "1").strip() != "0":
+            _gather_members(module, offloaded=plan.kind == "offloaded" and _runs_on_cpu(plan.device))
+
+
+def _runs_on_cpu(device: Any) -> bool:
+    try:
+        return torch_device(device).type == "cpu"
+    except (TypeError, ValueError):
+        return False
+
+
+def _gather_members(block: nn.Module, offloaded: bool) -> None:
+    """Make the block's hook do the work of its submodules' hooks inside the block's forward
+    (:meth:`AlignDevicesHook.set_members`): a decode step runs one hook per block, not one per submodule.
+
+    Each submodule keeps its own hook (``_hf_hook``: used when it is called outside the block's
+    forward, and read by ``align_module_device``, peft and transformers).  The hooks that only move
+    inputs are always taken over.  Offloading hooks only when ``offloaded`` (a block run on the CPU,
+    where putting a weight in uses the offloaded value in place, with no copy: the block's weights
+    then cost no memory while it runs; on an accelerator each submodule keeps bringing in its own
+    weights, as the device keeps room for one offloaded layer).  A submodule with more hooks than
+    its AlignDevicesHook (layerwise casting) runs them itself.
+    """
+    leader = next((hook for hook in iter_hooks(block.__dict__.get("_hf_hook")) if isinstance(hook, AlignDevicesHook)),
+                  None)
+    if leader is None:
+        return
+    members = []
+    for sub in block.modules():
+        hook = sub.__dict__.get("_hf_hook")
+        if (sub is not block and type(hook) is AlignDevicesHook and not hook.members  # subclasses run themselves
+                and (offloaded or not hook.offload)):
+            members.append((sub, hook))
+    if members:
+        leader.set_members(members)
 
 
 def _give_block_a_hook(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -> None:
@@ -247,6 +284,11 @@ def attach_align_device_hook_on_blocks(
     named block gets either one hook placing its subtree on its device (not offloaded) or
     offloading hooks on every module of its subtree; its submodules move their inputs to its
     device.  The root (``module_name == ""``) also moves outputs back to the input device.
+
+    Inside the forward of a named block (not the root) the block's hook does its submodules'
+    hook work for them (they keep their hooks for calls made outside it): moving inputs always,
+    and putting offloaded weights in and out when the block runs on the CPU (all of the block's
+    weights at the start of its forward).  ``BIGMODEL_BLOCK_HOOKS=0`` at attach time turns this off.
 
     Args:
         module: the model (or the subtree named ``module_name``).
@@ -326,73 +368,3 @@ def _set_io_same_device(module: nn.Module) -> None:
     hook = offload_hook_of(module)
     if hook is not None:
         hook.io_same_device = True
-
-
-@contextlib.contextmanager
-def align_module_device(module: nn.Module, execution_device: Any = None) -> Iterator[None]:
-    """Context manager: inside it, ``module``'s offloaded tensors are real tensors on ``execution_device``.
-
-    Changes made to them inside the context are kept: on exit, a value that differs from the
-    weights map's is stored back into the weights map (replacing the entry; the read-only
-    on-disk files are never written to).  A module without an offloading hook has its own
-    (direct) parameters moved to ``execution_device`` (if given) for the duration, in place: the
-    Parameter objects, and ties between them, are kept; submodules are left alone.
-
-    Args:
-        module: the module.
-        execution_device: device for the tensors (default: the hook's execution device).
-
-    Raises:
-        ValueError: ``execution_device`` is not a device spec.
-        KeyError: the weights map lacks one of the module's offloaded tensors (names it).
-    """
-    hook = offload_hook_of(module)
-    if hook is None:
-        with own_parameters_moved(module, execution_device):
-            yield
-        return
-    original = hook.execution_device
-    if execution_device is not None:
-        hook.execution_device = execution_device
-    try:
-        values = {name: hook.weights_map[name] for name in hook.offloaded_names}  # type: ignore[index]
-        # Own copies: writes inside the context never reach a (read-only) mmap'd file.
-        hook.load_weights(module, {name: v.clone() for name, v in values.items()})
-        yield
-        _store_changes(module, hook, values)
-    finally:
-        hook.unload_weights(module)
-        hook.execution_device = original
-        if hook.prefetcher is not None:
-            hook.prefetcher.invalidate()
-
-
-def _store_changes(module: nn.Module, hook: AlignDevicesHook, values: Mapping[str, torch.Tensor]) -> None:
-    from ..core.tensors import get_submodule_and_name
-
-    for name, old in values.items():
-        sub, attr = get_submodule_and_name(module, name)
-        current = sub._parameters[attr] if attr in sub._parameters else sub._buffers[attr]
-        if current.is_meta:  # aligned to meta: nothing to store
-            continue
-        new = current.detach().to(old.device, old.dtype)
-        if not torch.equal(new, old):
-            _store(hook.weights_map, name, new)
-
-
-def _store(weights_map: Any, name: str, value: torch.Tensor) -> None:
-    """Replace the entry ``name`` of a (possibly prefixed, possibly read-only) weights map."""
-    dataset, prefix = weights_map, ""
-    while hasattr(dataset, "dataset") and hasattr(dataset, "prefix"):
-        prefix += dataset.prefix
-        dataset = dataset.dataset
-    key = prefix + name
-    if hasattr(dataset, "__setitem__"):
-        dataset[key] = value
-    elif isinstance(getattr(dataset, "state_dict", None), dict):
-        dataset.state_dict[key] = value  # OffloadedWeightsLoader: an in-memory entry shadows the disk one
-    else:
-        raise TypeError(
-            f"Cannot store the changed value of {key!r}: the weights map {type(dataset).__name__} is read-only "
-            "and has no in-memory `state_dict`; use a dict or an OffloadedWeightsLoader as weights map."
-        )

@@ -29,6 +29,7 @@ from ..core.tensors import (
     set_module_tensor_to_device,
 )
 from ..offload.quantized_store import read_offloaded, take_dequantized, take_subclass
+from .forward import HookedForward, WeakBoundMethod
 from .moving import find_device, send_inputs_to_device, send_to_device
 from .placeholders import Slot, make_slot, placeholder_state, placeholder_states
 from .registry import ModelHook, iter_hooks
@@ -69,6 +70,9 @@ def _inner_hook_follows(module: nn.Module, hook: ModelHook) -> bool:
 class AlignDevicesHook(ModelHook):
     """Puts a module's inputs, and its weights if ``offload``, on ``execution_device`` for its forward.
 
+    The hook of a block of a device map may also do the work of its submodules' hooks inside the
+    block's forward (:meth:`set_members`): one hook runs per block instead of one per submodule.
+
     Args:
         execution_device: where the forward runs (device spec); None leaves inputs and weights alone.
         offload: keep the module's weights in ``weights_map`` and on ``meta`` between forwards.
@@ -107,6 +111,9 @@ class AlignDevicesHook(ModelHook):
         self.module_name = ""
         self.prefetcher: Any = None  # set by _prefetch.enable_prefetch
         self._slots: dict[str, Slot] = {}
+        # Offloaded submodules whose weights this hook swaps in and out with its own (see set_members).
+        self.members: list[tuple[nn.Module, AlignDevicesHook]] = []
+        self._bypassed: list[list[tuple[nn.Module, AlignDevicesHook, Any]]] = []  # per active forward
 
     _REPR_FIELDS = ("execution_device", "offload", "io_same_device", "offload_buffers", "place_submodules",
                     "skip_keys")
@@ -137,6 +144,51 @@ class AlignDevicesHook(ModelHook):
             slot.nbytes if slot.nbytes is not None else slot.placeholder.numel() * slot.placeholder.element_size()
             for slot in self._slots.values()
         )
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes this hook puts in at its forward: its own offloaded tensors and its members'."""
+        return sum(hook.offloaded_bytes for hook in self._participants())
+
+    @property
+    def swaps_weights(self) -> bool:
+        """True if this hook puts offloaded weights in at its forward (its own, or its members')."""
+        return self.offload or any(hook.offload for _, hook in self.members)
+
+    def read_values(self) -> dict[str, torch.Tensor]:
+        """The values this hook puts in at its forward, read from the weights maps (what a prefetch stages).
+
+        Keys are the tensor names; with members, ``"<id of the hook>|<name>"`` for each hook (its own included).
+        """
+        if not self.members:
+            return read_offloaded(self.weights_map, self._slots) if self.offload else {}  # type: ignore[arg-type]
+        values = {}
+        for hook in self._participants():
+            key = id(hook)
+            values.update((f"{key}|{name}", value)
+                          for name, value in read_offloaded(hook.weights_map, hook._slots).items())  # type: ignore[arg-type]
+        return values
+
+    def _participants(self) -> list[AlignDevicesHook]:
+        """The hooks whose offloaded weights this hook puts in: itself (if it offloads) and its offloading members."""
+        return ([self] if self.offload else []) + [hook for _, hook in self.members if hook.offload]
+
+    def set_members(self, members: list[tuple[nn.Module, AlignDevicesHook]]) -> None:
+        """Do the work of the hooks of ``members`` (submodules and their AlignDevicesHooks) for them, in this forward.
+
+        At this hook's ``pre_forward`` the offloaded weights of each member are put in and the member's
+        own hook is set aside (the member's ``forward`` is its class's) until ``post_forward``, which
+        puts the placeholders back and the member's hooked ``forward`` with them: inside this
+        module's forward the submodules run with no hook work of their own (their inputs come from
+        this forward, on this hook's device already).  Called outside this module's forward, a
+        member runs through its own hook.  A member whose module no longer holds that hook as its
+        only hook (another hook appended, or the hook removed) is left to its own hooks.
+
+        Args:
+            members: ``(submodule, its AlignDevicesHook)`` pairs, each submodule once; the hooks run on
+                this hook's execution device.
+        """
+        self.members = list(members)
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         if self.offload:
@@ -284,16 +336,53 @@ class AlignDevicesHook(ModelHook):
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         if self.io_same_device:
             self.input_device = find_device([args, kwargs])
-        if self.offload:
-            staged = self.prefetcher.take(self) if self.prefetcher is not None else None
-            self.load_weights(module, staged)
+        if self.offload or self.members:
+            # A block's hook on the CPU lets each member read its own values (no flat dict to split).
+            staged = self.prefetcher.take(self, read=not self.members) if self.prefetcher is not None else None
+            if self.members:
+                self._load_members(module, staged)
+            else:
+                self.load_weights(module, staged)
             if self.prefetcher is not None:
                 self.prefetcher.schedule_after(self)
         return send_inputs_to_device(args, kwargs, self.device, self.skip_keys)
 
+    def _load_members(self, module: nn.Module, staged: Mapping[str, torch.Tensor] | None) -> None:
+        """Put this hook's and its members' weights in; set the members' own hooks aside (see :meth:`set_members`)."""
+        split: dict[int, dict[str, torch.Tensor]] = {}
+        if staged is not None:
+            for key, value in staged.items():
+                owner, _, name = key.partition("|")
+                split.setdefault(int(owner), {})[name] = value
+        if self.offload:
+            self.load_weights(module, split.get(id(self)))
+        bypassed = []
+        self._bypassed.append(bypassed)
+        for member, hook in self.members:
+            state = member.__dict__
+            hooked = state.get("forward")
+            if state.get("_hf_hook") is not hook or type(hooked) is not HookedForward:
+                continue  # its hooks changed since (another hook appended, or removed): they run themselves
+            if hook.offload:
+                hook.load_weights(member, split.get(id(hook)))
+            bypassed.append((member, hook, hooked))
+            old = state.get("_old_forward")
+            if type(old) is WeakBoundMethod:
+                del state["forward"]  # the class's forward
+            else:
+                state["forward"] = old  # a forward set on the instance before hooking
+
+    def _unload_members(self) -> None:
+        for member, hook, forward in self._bypassed.pop() if self._bypassed else ():
+            if hook.offload:
+                hook.unload_weights(member)
+            member.__dict__["forward"] = forward
+
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.offload:
             self.unload_weights(module)
+        if self.members:
+            self._unload_members()
         if self.io_same_device and self.input_device is not None:
             output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)
         return output
@@ -302,8 +391,13 @@ class AlignDevicesHook(ModelHook):
         """The forward raised: put the meta placeholders back so the loaded weights are freed."""
         if self.offload and self._slots:
             self.unload_weights(module)
+        if self.members:
+            self._unload_members()
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
+        while self._bypassed:  # removed inside its own forward: the members get their hooked forwards back
+            self._unload_members()
+        self.members = []
         if not self.offload:
             return module
         for name, slot, dtype, requires_grad in placeholder_states(self._slots):
@@ -319,6 +413,14 @@ def offload_hook_of(module: nn.Module) -> AlignDevicesHook | None:
     """The offloading AlignDevicesHook of ``module`` (also inside a SequentialHook), or None."""
     for hook in iter_hooks(module.__dict__.get("_hf_hook")):
         if isinstance(hook, AlignDevicesHook) and hook.offload:
+            return hook
+    return None
+
+
+def loading_hook_of(module: nn.Module) -> AlignDevicesHook | None:
+    """The AlignDevicesHook of ``module`` that puts weights in at its forward (its own, or its members'), or None."""
+    for hook in iter_hooks(module.__dict__.get("_hf_hook")):
+        if isinstance(hook, AlignDevicesHook) and hook.swaps_weights:
             return hook
     return None
 

@@ -278,6 +278,14 @@ def _stored_form(weights_map: Mapping[str, Any], name: str) -> QuantizedWeight |
     return dataset.packed(key) if isinstance(dataset, QuantizedWeightsMap) else None
 
 
+def _may_hold_quantized(weights_map: Mapping[str, Any]) -> bool:
+    """True if the map (under any prefix views) is a :class:`QuantizedWeightsMap`."""
+    dataset = weights_map
+    while hasattr(dataset, "dataset") and hasattr(dataset, "prefix"):
+        dataset = dataset.dataset
+    return isinstance(dataset, QuantizedWeightsMap)
+
+
 def read_offloaded(
     weights_map: Mapping[str, Any], names: Iterable[str]
 ) -> dict[str, torch.Tensor]:
@@ -289,9 +297,10 @@ def read_offloaded(
     subclass (torchao's quantized weights) comes as its inner tensors, ``<name>#<part>``;
     :func:`take_subclass` rebuilds the subclass from them on the execution device.
     """
+    quantized = _may_hold_quantized(weights_map)  # asked once, not per name
     values: dict[str, torch.Tensor] = {}
     for name in names:
-        stored = _stored_form(weights_map, name)
+        stored = _stored_form(weights_map, name) if quantized else None
         if stored is None:
             value = weights_map[name]
             if is_tensor_subclass(value):  # moved as its plain parts, rebuilt by take_subclass
