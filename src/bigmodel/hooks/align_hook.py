@@ -29,9 +29,16 @@ from ..core.tensors import (
     set_module_tensor_to_device,
 )
 from ..offload.quantized_store import read_offloaded, take_dequantized, take_subclass
-from .forward import HookedForward, WeakBoundMethod
+from .members import bypass_members, restore_members, split_staged
 from .moving import find_device, send_inputs_to_device, send_to_device
-from .placeholders import Slot, make_slot, placeholder_state, placeholder_states
+from .placeholders import (
+    Slot,
+    follow_held_dtype,
+    inner_hook_follows,
+    make_slot,
+    placeholder_state,
+    placeholder_states,
+)
 from .registry import ModelHook, iter_hooks
 
 logger = logging.getLogger(__name__)
@@ -45,26 +52,6 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         sub._parameters[attr] = tensor  # type: ignore[assignment]
     else:
         sub._buffers[attr] = tensor
-
-
-def _follow_held_dtype(module: nn.Module, name: str, slot: Slot) -> None:
-    """Give ``slot``'s placeholder the floating dtype of the value ``module`` holds for ``name`` (if it differs).
-
-    Called with torch functions of subclasses disabled (the placeholder is read and cast as a plain meta tensor).
-    """
-    sub, attr = get_submodule_and_name(module, name) if "." in name else (module, name)
-    held = sub._parameters.get(attr)
-    placeholder = slot.placeholder
-    if held is None or held is placeholder or held.dtype == placeholder.dtype:
-        return
-    if held.is_floating_point() and placeholder.is_floating_point():
-        placeholder.data = placeholder.data.to(held.dtype)
-
-
-def _inner_hook_follows(module: nn.Module, hook: ModelHook) -> bool:
-    """True if a ``runs_innermost`` hook of ``module`` (e.g. layerwise casting) runs its post_forward after ``hook``."""
-    chain = getattr(module.__dict__.get("_hf_hook"), "hooks", ())
-    return any(getattr(other, "runs_innermost", False) for other in chain if other is not hook)
 
 
 class AlignDevicesHook(ModelHook):
@@ -174,15 +161,8 @@ class AlignDevicesHook(ModelHook):
         return ([self] if self.offload else []) + [hook for _, hook in self.members if hook.offload]
 
     def set_members(self, members: list[tuple[nn.Module, AlignDevicesHook]]) -> None:
-        """Do the work of the hooks of ``members`` (submodules and their AlignDevicesHooks) for them, in this forward.
-
-        At this hook's ``pre_forward`` the offloaded weights of each member are put in and the member's
-        own hook is set aside (the member's ``forward`` is its class's) until ``post_forward``, which
-        puts the placeholders back and the member's hooked ``forward`` with them: inside this
-        module's forward the submodules run with no hook work of their own (their inputs come from
-        this forward, on this hook's device already).  Called outside this module's forward, a
-        member runs through its own hook.  A member whose module no longer holds that hook as its
-        only hook (another hook appended, or the hook removed) is left to its own hooks.
+        """Do the work of the hooks of ``members`` for them inside this module's forward (see
+        :mod:`bigmodel.hooks.members`): one hook run per block instead of one per submodule.
 
         Args:
             members: ``(submodule, its AlignDevicesHook)`` pairs, each submodule once; the hooks run on
@@ -323,11 +303,11 @@ class AlignDevicesHook(ModelHook):
         that dtype: its placeholder takes it, as the plain module would keep the Parameter it
         holds.  Not when a hook of this module runs after this one (``runs_innermost``): that hook
         still has the values in hand and sets their dtype itself."""
-        follow = not _inner_hook_follows(module, self)
+        follow = not inner_hook_follows(module, self)
         with torch._C.DisableTorchFunctionSubclass():
             for name, slot in self._slots.items():
                 if follow and slot.is_parameter and slot.param_type is nn.Parameter:
-                    _follow_held_dtype(module, name, slot)
+                    follow_held_dtype(module, name, slot)
                 _assign(module, name, slot.placeholder)
         for pointer, device in self.tied_pointers_to_remove:
             self.tied_params_map.get(pointer, {}).pop(device, None)  # type: ignore[union-attr]
@@ -349,34 +329,13 @@ class AlignDevicesHook(ModelHook):
 
     def _load_members(self, module: nn.Module, staged: Mapping[str, torch.Tensor] | None) -> None:
         """Put this hook's and its members' weights in; set the members' own hooks aside (see :meth:`set_members`)."""
-        split: dict[int, dict[str, torch.Tensor]] = {}
-        if staged is not None:
-            for key, value in staged.items():
-                owner, _, name = key.partition("|")
-                split.setdefault(int(owner), {})[name] = value
+        split = split_staged(staged)
         if self.offload:
             self.load_weights(module, split.get(id(self)))
-        bypassed = []
-        self._bypassed.append(bypassed)
-        for member, hook in self.members:
-            state = member.__dict__
-            hooked = state.get("forward")
-            if state.get("_hf_hook") is not hook or type(hooked) is not HookedForward:
-                continue  # its hooks changed since (another hook appended, or removed): they run themselves
-            if hook.offload:
-                hook.load_weights(member, split.get(id(hook)))
-            bypassed.append((member, hook, hooked))
-            old = state.get("_old_forward")
-            if type(old) is WeakBoundMethod:
-                del state["forward"]  # the class's forward
-            else:
-                state["forward"] = old  # a forward set on the instance before hooking
+        self._bypassed.append(bypass_members(self.members, split))
 
     def _unload_members(self) -> None:
-        for member, hook, forward in self._bypassed.pop() if self._bypassed else ():
-            if hook.offload:
-                hook.unload_weights(member)
-            member.__dict__["forward"] = forward
+        restore_members(self._bypassed.pop() if self._bypassed else ())
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.offload:

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..core.subclasses import is_tensor_subclass, stored_nbytes
+from ..core.tensors import get_submodule_and_name
 
 logger = logging.getLogger(__name__)
 
@@ -245,3 +246,23 @@ def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) ->
     else:  # quantised parameter subclasses keep their own type on meta
         placeholder = param_type(meta, requires_grad=tensor.requires_grad, **extra)
     return Slot(placeholder, True, param_type, extra, round_to=round_to)
+
+
+def follow_held_dtype(module: nn.Module, name: str, slot: Slot) -> None:
+    """Give ``slot``'s placeholder the floating dtype of the value ``module`` holds for ``name`` (if it differs).
+
+    Called with torch functions of subclasses disabled (the placeholder is read and cast as a plain meta tensor).
+    """
+    sub, attr = get_submodule_and_name(module, name) if "." in name else (module, name)
+    held = sub._parameters.get(attr)
+    placeholder = slot.placeholder
+    if held is None or held is placeholder or held.dtype == placeholder.dtype:
+        return
+    if held.is_floating_point() and placeholder.is_floating_point():
+        placeholder.data = placeholder.data.to(held.dtype)
+
+
+def inner_hook_follows(module: nn.Module, hook: Any) -> bool:
+    """True if a ``runs_innermost`` hook of ``module`` (e.g. layerwise casting) runs its post_forward after ``hook``."""
+    chain = getattr(module.__dict__.get("_hf_hook"), "hooks", ())
+    return any(getattr(other, "runs_innermost", False) for other in chain if other is not hook)

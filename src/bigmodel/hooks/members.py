@@ -1,0 +1,66 @@
+"""One hook run per block: a block's :class:`~bigmodel.hooks.align_hook.AlignDevicesHook` does the
+hook work of its submodules (its *members*) inside the block's forward.
+
+At the block's pre-forward each member's offloaded weights are put in and the member's hooked
+``forward`` is set aside (the class's forward, or a forward set on the instance before hooking,
+runs instead); at its post-forward (or when the forward raised, or the hook is removed) the
+placeholders and the hooked forwards are put back.  A member called outside its block runs
+through its own hook as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .forward import HookedForward, WeakBoundMethod
+
+Bypassed = list[tuple[nn.Module, Any, Any]]  # (member, its hook, its hooked forward)
+
+
+def split_staged(staged: Mapping[str, torch.Tensor] | None) -> dict[int, dict[str, torch.Tensor]]:
+    """Split a block's staged values (keys ``"<id of the hook>|<name>"``) per hook id."""
+    split: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in (staged or {}).items():
+        owner, _, name = key.partition("|")
+        split.setdefault(int(owner), {})[name] = value
+    return split
+
+
+def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int, Mapping[str, torch.Tensor]]) -> Bypassed:
+    """Put each member's offloaded weights in and set its hooked forward aside.
+
+    Args:
+        members: ``(submodule, its AlignDevicesHook)`` pairs.
+        split: staged values per hook id (:func:`split_staged`); a hook without an entry reads its own.
+
+    Returns:
+        The members taken over, for :func:`restore_members`.  A member whose module no longer holds
+        that hook as its only hook (another hook appended, or the hook removed) is left to its own hooks.
+    """
+    bypassed: Bypassed = []
+    for member, hook in members:
+        state = member.__dict__
+        hooked = state.get("forward")
+        if state.get("_hf_hook") is not hook or type(hooked) is not HookedForward:
+            continue  # its hooks changed since (another hook appended, or removed): they run themselves
+        if hook.offload:
+            hook.load_weights(member, split.get(id(hook)))
+        bypassed.append((member, hook, hooked))
+        old = state.get("_old_forward")
+        if type(old) is WeakBoundMethod:
+            del state["forward"]  # the class's forward
+        else:
+            state["forward"] = old  # a forward set on the instance before hooking
+    return bypassed
+
+
+def restore_members(bypassed: Iterable[tuple[nn.Module, Any, Any]]) -> None:
+    """Put the placeholders and the hooked forwards of members taken over by :func:`bypass_members` back."""
+    for member, hook, forward in bypassed:
+        if hook.offload:
+            hook.unload_weights(member)
+        member.__dict__["forward"] = forward
