@@ -33,6 +33,7 @@ from .members import bypass_members, restore_members, split_staged
 from .moving import find_device, send_inputs_to_device, send_to_device
 from .placeholders import (
     Slot,
+    adopt_registered_parameters,
     follow_held_dtype,
     inner_hook_follows,
     make_slot,
@@ -250,6 +251,7 @@ class AlignDevicesHook(ModelHook):
 
     def load_weights(self, module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) -> None:
         """Put the offloaded values into ``module`` (from ``values`` if given, else the weights map)."""
+        values = None if adopt_registered_parameters(self, module) else values
         source = read_offloaded(self.weights_map, self._slots) if values is None else values  # type: ignore[arg-type]
         device = self.device
         tied_map = self.tied_params_map

@@ -266,3 +266,22 @@ def inner_hook_follows(module: nn.Module, hook: Any) -> bool:
     """True if a ``runs_innermost`` hook of ``module`` (e.g. layerwise casting) runs its post_forward after ``hook``."""
     chain = getattr(module.__dict__.get("_hf_hook"), "hooks", ())
     return any(getattr(other, "runs_innermost", False) for other in chain if other is not hook)
+
+
+def adopt_registered_parameters(hook: Any, module: nn.Module) -> bool:
+    """Give a slot to each ``meta`` parameter registered on ``module`` after ``hook`` offloaded it whose
+    value ``hook.weights_map`` holds (compressed-tensors registers quantization scales this way), so
+    it is put in at each forward, as accelerate loads every tensor the weights map holds.
+
+    Returns:
+        True if a parameter was adopted (values staged before it lack it: read them again).
+    """
+    slots = hook._slots
+    if hook.place_submodules or len(module._parameters) <= len(slots):
+        return False
+    new = [(name, p) for name, p in module._parameters.items()
+           if p is not None and name not in slots and p.is_meta and name in hook.weights_map]  # fmt: skip
+    for name, tensor in new:
+        slots[name] = make_slot(hook, name, tensor, is_parameter=True)
+        module._parameters[name] = slots[name].placeholder
+    return bool(new)
