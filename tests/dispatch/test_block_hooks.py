@@ -213,3 +213,15 @@ def test_a_forward_set_on_a_submodule_before_dispatch_still_runs_in_its_block(fo
     load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, reference(IDS).logits)
+
+
+def test_a_member_load_that_raises_gives_every_member_back(folder, tmp_path):
+    model = _dispatched(folder, tmp_path)
+    layer = model.get_submodule("model.layers.1")
+    layer.self_attn.v_proj._hf_hook.weights_map = {}  # its value cannot be read: the block's pre-forward raises there
+    with torch.no_grad(), pytest.raises(KeyError):
+        model(IDS)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+        member = layer.get_submodule(name)
+        assert type(member.__dict__.get("forward")) is HookedForward, name  # its own hooks run again outside
+        assert member.weight.is_meta, name  # the placeholder is back, the value freed

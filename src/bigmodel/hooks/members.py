@@ -40,21 +40,33 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
     Returns:
         The members taken over, for :func:`restore_members`.  A member whose module no longer holds
         that hook as its only hook (another hook appended, or the hook removed) is left to its own hooks.
+
+    Raises:
+        Whatever a member's load raises (a weights map without the value, a read error), after every
+        member taken over so far got its placeholders and hooked forward back.
     """
     bypassed: Bypassed = []
-    for member, hook in members:
-        state = member.__dict__
-        hooked = state.get("forward")
-        if state.get("_hf_hook") is not hook or type(hooked) is not HookedForward:
-            continue  # its hooks changed since (another hook appended, or removed): they run themselves
-        if hook.offload:
-            hook.load_weights(member, split.get(id(hook)))
-        bypassed.append((member, hook, hooked))
-        old = state.get("_old_forward")
-        if type(old) is WeakBoundMethod:
-            del state["forward"]  # the class's forward
-        else:
-            state["forward"] = old  # a forward set on the instance before hooking
+    try:
+        for member, hook in members:
+            state = member.__dict__
+            hooked = state.get("forward")
+            if state.get("_hf_hook") is not hook or type(hooked) is not HookedForward:
+                continue  # its hooks changed since (another hook appended, or removed): they run themselves
+            if hook.offload:
+                try:
+                    hook.load_weights(member, split.get(id(hook)))
+                except BaseException:
+                    hook.unload_weights(member)  # the values it put in before the failure go back
+                    raise
+            bypassed.append((member, hook, hooked))
+            old = state.get("_old_forward")
+            if type(old) is WeakBoundMethod:
+                del state["forward"]  # the class's forward
+            else:
+                state["forward"] = old  # a forward set on the instance before hooking
+    except BaseException:
+        restore_members(bypassed)  # a load that raised: every member taken over so far is given back
+        raise
     return bypassed
 
 
