@@ -1,12 +1,13 @@
 """Read the weights of the next offloaded module while the current one runs.
 
-One :class:`Prefetcher` serves all offloading hooks of a dispatched model.  During the
-first forward it records the order in which the hooks run; from then on, when module k
-starts, the weights of the next ``depth`` modules in that order (wrapping around, so the
-first module of the next forward comes after the last one) are read on a background
-thread.  At most ``depth`` modules are staged ahead, so memory stays bounded; a module
-that runs out of the recorded order gets no prefetch, and staged values it skipped over
-are dropped.
+One :class:`Prefetcher` serves all offloading hooks of a dispatched model.  When module k
+starts, the weights of the next ``depth`` modules in the execution order (wrapping around,
+so the first module of the next forward comes after the last one) are read on a background
+thread.  During the first forward that order is a guess, the order of the modules in the
+model (:mod:`bigmodel.dispatch.order`), while the order the hooks run in is recorded; the
+recorded order replaces the guess from the second forward on.  At most ``depth`` modules
+are staged ahead, so memory stays bounded; a module that runs out of order gets no
+prefetch, and staged values it skipped over are dropped.
 
 Staging is one function, ``stage(values, device) -> values``:
 
@@ -43,7 +44,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -52,6 +53,7 @@ from torch import nn
 
 from ..offload.quantized_store import read_offloaded
 from ..offload.readahead import ReadAhead
+from .order import ExecutionOrder
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +164,7 @@ def stage(values: dict[str, torch.Tensor], device: torch.device | None) -> dict[
 
 
 class Prefetcher:
-    """Reads the weights of the next offloaded modules ahead, in the order learned from the first forward.
+    """Reads the weights of the next offloaded modules ahead, in execution order (guessed, then recorded).
 
     With the default staging function, a CPU-executed module costs nothing when its pages are
     already in RAM (checked with ``mincore`` on the forward thread, no thread hand-off), and the
@@ -173,9 +175,12 @@ class Prefetcher:
         depth: how many modules ahead to stage (1 or 2).
         stage: the staging function (see the module docstring).
         min_bytes: modules with fewer offloaded bytes are read when they run, not ahead.
+        order: the hooks in their expected execution order, followed during the first forward
+            (empty: nothing is read ahead until the first forward's order has been recorded).
     """
 
-    def __init__(self, depth: int = DEFAULT_DEPTH, stage: StageFn = stage, min_bytes: int = MIN_BYTES) -> None:
+    def __init__(self, depth: int = DEFAULT_DEPTH, stage: StageFn = stage, min_bytes: int = MIN_BYTES,
+                 order: Iterable[Any] = ()) -> None:
         self.depth = depth
         self.stage = stage
         self.min_bytes = min_bytes
@@ -183,11 +188,7 @@ class Prefetcher:
         self.stages_small = bool(getattr(stage, "stages_small_modules", False)) and not self.in_place
         self._capture = getattr(stage, "capture", None)
         self._warned_memory = False
-        self._largest = 0  # bytes of the largest module in the order (known once it is recorded)
-        self.recording = True
-        self._order: list[weakref.ref] = []
-        self._bytes: list[int] = []  # offloaded bytes of each hook in the order (read once, while recording)
-        self._position: dict[int, int] = {}
+        self.order = ExecutionOrder(order)
         self._pending: dict[int, Future] = {}
         self._trusted: dict[int, int] = {}  # id(hook) → turns left before its residency is asked again
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
@@ -198,9 +199,14 @@ class Prefetcher:
         return Prefetcher(self.depth, copy.deepcopy(self.stage, memo), self.min_bytes)
 
     @property
+    def recording(self) -> bool:
+        """True during the first forward (its execution order is being recorded)."""
+        return self.order.recording
+
+    @property
     def order_length(self) -> int:
-        """Number of hooks in the recorded execution order."""
-        return len(self._order)
+        """Number of hooks in the recorded execution order (so far, during the first forward)."""
+        return self.order.recorded_length
 
     @property
     def pending(self) -> int:
@@ -232,52 +238,50 @@ class Prefetcher:
         return self.read(hook)
 
     def schedule_after(self, hook: Any) -> None:
-        """Called when ``hook``'s module starts: record the order, or stage the next modules."""
-        key = id(hook)
-        if self.recording:
-            if key not in self._position:
-                self._position[key] = len(self._order)
-                self._order.append(weakref.ref(hook))
-                self._bytes.append(getattr(hook, "staged_bytes", hook.offloaded_bytes))
-                return
-            self.recording = False
-            self._largest = max(self._bytes)
-        index = self._position.get(key)
+        """Called when ``hook``'s module starts: stage the next modules in the execution order
+        (the guessed one during the first forward, which records the actual one)."""
+        order = self.order
+        first = order.at_start
+        changed = order.observe(hook)
+        if changed:  # the first forward ran in another order than the guess: plan along the recorded one
+            self.readahead.reset()
+        index = order.position.get(id(hook))
         if index is None or self.depth <= 0:
             return
-        self.readahead.advance(self._order, index)
+        self.readahead.advance(order.refs, index, new_pass=first or changed)
         ahead = self._ahead(index)
         if self._pending:
-            ahead_keys = {id(self._order[j]()) for j in ahead}
+            ahead_keys = {id(order.refs[j]()) for j in ahead}
             for stale in [k for k in self._pending if k not in ahead_keys]:
                 self._pending.pop(stale).cancel()
-        large = [self._bytes[self._position[k]] for k in self._pending]
-        staged, largest = sum(b for b in large if b >= self.min_bytes), self._largest
+        large = [order.sizes[order.position[k]] for k in self._pending]
+        staged, largest = sum(b for b in large if b >= self.min_bytes), order.largest
         for j in ahead:
-            target = self._order[j]()
+            target = order.refs[j]()
             if target is None or id(target) in self._pending:
                 continue
             if self.in_place and _on_cpu(target.device):
                 self._read_ahead_in_place(target)
                 continue
-            if self._bytes[j] >= self.min_bytes:
-                if staged + self._bytes[j] > largest:
+            if order.sizes[j] >= self.min_bytes:
+                if staged + order.sizes[j] > largest:
                     break  # the modules staged ahead hold at most the largest module's bytes
-                staged += self._bytes[j]
+                staged += order.sizes[j]
             context = self._capture(target.device) if self._capture is not None else None
-            self._pending[id(target)] = _executor().submit(self._fetch, self._order[j], context)
+            self._pending[id(target)] = _executor().submit(self._fetch, order.refs[j], context)
 
     def _ahead(self, index: int) -> list[int]:
         """Positions to stage after ``index``: the next ``depth`` modules of at least ``min_bytes``
         (wrapping around), with the smaller ones between them when the stage takes those too."""
-        count = len(self._order)
+        sizes = self.order.sizes
+        count = len(sizes)
         if not self.stages_small:
             steps = range(1, min(self.depth, count - 1) + 1)
-            return [j for j in ((index + step) % count for step in steps) if self._bytes[j] >= self.min_bytes]
+            return [j for j in ((index + step) % count for step in steps) if sizes[j] >= self.min_bytes]
         ahead, large, small = [], 0, 0
         for step in range(1, count):
             j = (index + step) % count
-            if self._bytes[j] >= self.min_bytes:
+            if sizes[j] >= self.min_bytes:
                 ahead.append(j)
                 large += 1
                 if large == self.depth:
@@ -377,7 +381,10 @@ def enable_prefetch(
         hook.prefetcher = None
     if depth == 0 or len(hooks) < 2:
         return None
-    prefetcher = Prefetcher(depth, stage if stage is not None else globals()["stage"], min_bytes)
+    # The first forward follows the order of the modules in the model; a block's members run inside its hook.
+    members = {id(member) for hook in hooks for _, member in getattr(hook, "members", ())}
+    guess = [hook for hook in hooks if id(hook) not in members]
+    prefetcher = Prefetcher(depth, stage if stage is not None else globals()["stage"], min_bytes, guess)
     for hook in hooks:
         hook.prefetcher = prefetcher
     if callable(getattr(prefetcher.stage, "close", None)):  # its buffers go back with the model

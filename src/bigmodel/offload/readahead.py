@@ -150,7 +150,7 @@ def available_memory() -> int:
 
 
 class ReadAhead:
-    """Reads the file-backed offloaded weights of the next modules ahead, in a learned execution order.
+    """Reads the file-backed offloaded weights of the next modules ahead, in execution order.
 
     Args:
         read: ``read(hook) -> {name: tensor}``, the hook's offloaded values (mapped views).
@@ -176,16 +176,19 @@ class ReadAhead:
         """Forget the spans (call when a weights map's values change)."""
         self._spans, self.active, self.streaming = None, False, False
 
-    def advance(self, order: Sequence[Any], index: int) -> None:
+    def advance(self, order: Sequence[Any], index: int, new_pass: bool = False) -> None:
         """Module ``order[index]()`` starts: read ahead of it, release the one before it.
 
         Args:
-            order: weak references to the hooks, in execution order.
+            order: weak references to the hooks, in execution order (the same list for a whole
+                pass; a different order needs :meth:`reset` first).
             index: position of the starting hook in ``order``.
+            new_pass: this module starts a forward although it is not ``order[0]`` (the first
+                forward, run along a guessed order).  ``index == 0`` always starts one.
         """
         if not self.enabled:
             return
-        if index == 0:
+        if index == 0 or new_pass:
             self._new_pass(order)
         if not self.active:
             return
