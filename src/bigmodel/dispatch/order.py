@@ -63,8 +63,9 @@ class ExecutionOrder:
         """Note that ``hook``'s module starts.
 
         Returns:
-            True when this ends the recording with an order other than the guess (the order in use
-            changed: what was planned along the guess is to be forgotten), else False.
+            True when this ends the recording (the recorded order replaces the guess, even an equal
+            one: what was planned along the guess is to be learned again, e.g. the file spans of
+            offloaded values whose files were first mapped during the first forward), else False.
         """
         if not self.recording:
             return False
@@ -74,6 +75,5 @@ class ExecutionOrder:
             self._recorded.append(weakref.ref(hook))
             return False
         self.recording = False
-        changed = [id(ref()) for ref in self._recorded] != [id(ref()) for ref in self.refs]
         self._use(self._recorded)  # sizes read again: tensors may have been registered since the guess
-        return changed
+        return True

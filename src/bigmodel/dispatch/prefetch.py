@@ -243,7 +243,7 @@ class Prefetcher:
         order = self.order
         first = order.at_start
         changed = order.observe(hook)
-        if changed:  # the first forward ran in another order than the guess: plan along the recorded one
+        if changed:  # the recorded order replaces the guess: learn the read-ahead spans again along it
             self.readahead.reset()
         index = order.position.get(id(hook))
         if index is None or self.depth <= 0:
