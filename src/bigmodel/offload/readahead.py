@@ -171,12 +171,20 @@ class ReadAhead:
         self._probes: list[int] = []
         self._ahead = 0  # order positions < _ahead have been advised in this pass
         self.enabled = supported() and os.environ.get(ENV, "1").strip() != "0"
+        self._lock = threading.Lock()  # forwards of one model from several threads share this state
 
     def reset(self) -> None:
         """Forget the spans (call when a weights map's values change)."""
-        self._spans, self.active, self.streaming = None, False, False
+        with self._lock:
+            self._spans, self.active, self.streaming = None, False, False
 
     def advance(self, order: Sequence[Any], index: int, new_pass: bool = False) -> None:
+        """Module ``order[index]()`` starts: read ahead of it, release the one before it (see :meth:`_advance`)."""
+        if self.enabled:
+            with self._lock:
+                self._advance(order, index, new_pass)
+
+    def _advance(self, order: Sequence[Any], index: int, new_pass: bool = False) -> None:
         """Module ``order[index]()`` starts: read ahead of it, release the one before it.
 
         Args:
@@ -186,8 +194,6 @@ class ReadAhead:
             new_pass: this module starts a forward although it is not ``order[0]`` (the first
                 forward, run along a guessed order).  ``index == 0`` always starts one.
         """
-        if not self.enabled:
-            return
         if index == 0 or new_pass:
             self._new_pass(order)
         if not self.active:
