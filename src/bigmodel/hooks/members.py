@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .forward import HookedForward, WeakBoundMethod
+from .kept import put_back_all_kept, put_in_all_kept
 
 Bypassed = list[tuple[nn.Module, Any, Any]]  # (member, its hook, its hooked forward)
 
@@ -30,25 +31,35 @@ def split_staged(staged: Mapping[str, torch.Tensor] | None) -> dict[int, dict[st
     return split
 
 
-def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int, Mapping[str, torch.Tensor]]) -> Bypassed:
+def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int, Mapping[str, torch.Tensor]],
+                   bypassed: Bypassed) -> Bypassed:
     """Put each member's offloaded weights in and set its hooked forward aside.
 
     Args:
         members: ``(submodule, its AlignDevicesHook)`` pairs.
-        split: staged values per hook id (:func:`split_staged`); a hook without an entry reads its own.
+        split: staged values per hook id (:func:`split_staged`); a hook without an entry reads its own
+            (or puts in the values it kept from its last forward, see :mod:`bigmodel.hooks.kept`).
+        bypassed: the list the members taken over are appended to, each as soon as it is (what an
+            error on the way leaves half done is undone from it by :func:`restore_members`).
 
     Returns:
-        The members taken over, for :func:`restore_members`.  A member whose module no longer holds
-        that hook as its only hook (another hook appended, or the hook removed) is left to its own hooks.
+        ``bypassed``.  A member whose module no longer holds that hook as its only hook (another
+        hook appended, or the hook removed) is left to its own hooks.
     """
-    bypassed: Bypassed = []
+    grad = torch.is_grad_enabled()
     for member, hook in members:
         state = member.__dict__
         hooked = state.get("forward")
         if state.get("_hf_hook") is not hook or type(hooked) is not HookedForward:
             continue  # its hooks changed since (another hook appended, or removed): they run themselves
         if hook.offload:
-            hook.load_weights(member, split.get(id(hook)))
+            staged = split.get(id(hook)) if split else None
+            if staged is not None or not put_in_all_kept(hook, member, grad):
+                try:
+                    hook.load_weights(member, staged)
+                except BaseException:
+                    hook.unload_weights(member)  # what it put in goes back; the members before it: restore_members
+                    raise
         bypassed.append((member, hook, hooked))
         old = state.get("_old_forward")
         if type(old) is WeakBoundMethod:
@@ -61,6 +72,6 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
 def restore_members(bypassed: Iterable[tuple[nn.Module, Any, Any]]) -> None:
     """Put the placeholders and the hooked forwards of members taken over by :func:`bypass_members` back."""
     for member, hook, forward in bypassed:
-        if hook.offload:
+        if hook.offload and not put_back_all_kept(hook, member):
             hook.unload_weights(member)
         member.__dict__["forward"] = forward
