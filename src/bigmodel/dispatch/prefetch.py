@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from ..offload.quantized_store import read_offloaded
-from ..offload.readahead import ReadAhead
+from ..offload.readahead import ReadAhead, merged_spans, resident
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +190,7 @@ class Prefetcher:
         self._position: dict[int, int] = {}
         self._pending: dict[int, Future] = {}
         self._trusted: dict[int, int] = {}  # id(hook) → turns left before its residency is asked again
+        self._probes: dict[int, list] = {}  # id(hook) → spans of its values (found in RAM), asked without reading them
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
         self.readahead = ReadAhead(self.read)  # storage reads ahead of the page faults (file-backed values)
 
@@ -291,7 +292,9 @@ class Prefetcher:
         """Fault ``target``'s pages in on the background thread unless they are in RAM already.
 
         A module found resident is trusted to stay so for its next ``RECHECK_EVERY - 1`` turns
-        (no ``mincore`` calls, no reads): its own forward then reads its values when it runs.
+        (no ``mincore`` calls, no reads): its own forward then reads its values when it runs.  Then
+        the spans of its values (merged: a few ``mincore`` calls, no weights-map reads) are asked
+        again, and only if some page is out are its values read and asked about one by one.
         Residency only decides whether to read ahead, never which values are used.
         """
         key = id(target)
@@ -299,9 +302,14 @@ class Prefetcher:
         if turns > 0:
             self._trusted[key] = turns - 1
             return
+        probe = self._probes.get(key)
+        if probe and resident(probe):
+            self._trusted[key] = RECHECK_EVERY - 1
+            return
         values = self.read(target)
         if all(pages_resident(value) for value in values.values()):
             self._trusted[key] = RECHECK_EVERY - 1  # in RAM: no thread hand-off, nothing to touch
+            self._probes[key] = merged_spans(values.values())
         else:
             self._pending[key] = _executor().submit(self.stage, values, target.device)
 
@@ -334,6 +342,7 @@ class Prefetcher:
             future.cancel()
         self._pending.clear()
         self._trusted.clear()
+        self._probes.clear()
         self.readahead.reset()
 
 
