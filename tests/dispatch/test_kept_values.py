@@ -44,16 +44,27 @@ def _dispatched(folder: Path, tmp_path: Path) -> nn.Module:
     return load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
 
 
-def _held_weights(module: nn.Module) -> list[torch.Tensor]:
-    """Records ``module.weight`` as the module holds it at each of its forwards."""
+def _held_weights(module: nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Records ``module.weight`` as the module holds it in each of its forwards (inside its hooks)."""
     seen: list[torch.Tensor] = []
-    module.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight))
+    cls = type(module)
+    forward = cls.forward
+
+    def recording(self, *args, **kwargs):
+        if self is module:
+            seen.append(self.weight)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", recording)
     return seen
 
 
-def test_the_same_parameter_at_each_forward(folder, tmp_path, reference):
+@pytest.mark.parametrize("block_hooks", ["1", "0"])  # one hook run per block, or per submodule
+def test_the_same_parameter_at_each_forward(folder, tmp_path, reference, monkeypatch, block_hooks):
+    monkeypatch.setenv("BIGMODEL_BLOCK_HOOKS", block_hooks)
     model = _dispatched(folder, tmp_path)
-    seen = _held_weights(model.get_submodule(Q))
+    assert bool(model.get_submodule("model.layers.1")._hf_hook.members) is (block_hooks == "1")
+    seen = _held_weights(model.get_submodule(Q), monkeypatch)
     with torch.no_grad():
         expected = reference(IDS).logits
         for _ in range(3):
@@ -64,7 +75,7 @@ def test_the_same_parameter_at_each_forward(folder, tmp_path, reference):
     torch.testing.assert_close(seen[0], reference.get_submodule(Q).weight)
 
 
-def test_changes_made_in_a_forward_do_not_outlive_it(folder, tmp_path, reference):
+def test_changes_made_in_a_forward_do_not_outlive_it(folder, tmp_path, reference, monkeypatch):
     model = _dispatched(folder, tmp_path)
     q = model.get_submodule(Q)
     calls = []
@@ -77,7 +88,7 @@ def test_changes_made_in_a_forward_do_not_outlive_it(folder, tmp_path, reference
             mod.weight.requires_grad_(False)
 
     q.register_forward_pre_hook(change)
-    seen = _held_weights(q)
+    seen = _held_weights(q, monkeypatch)
     with torch.no_grad():
         expected = reference(IDS).logits
         model(IDS)
@@ -88,10 +99,10 @@ def test_changes_made_in_a_forward_do_not_outlive_it(folder, tmp_path, reference
     assert seen[3].requires_grad is q.weight.requires_grad  # as the placeholder says
 
 
-def test_model_wide_changes_reach_the_forward(folder, tmp_path, reference):
+def test_model_wide_changes_reach_the_forward(folder, tmp_path, reference, monkeypatch):
     model = _dispatched(folder, tmp_path)
     q = model.get_submodule(Q)
-    seen = _held_weights(q)
+    seen = _held_weights(q, monkeypatch)
     model.requires_grad_(False)
     with torch.no_grad():
         model(IDS)
@@ -110,10 +121,10 @@ def test_model_wide_changes_reach_the_forward(folder, tmp_path, reference):
     assert seen[3].dtype == torch.float32 and seen[4] is seen[3]
 
 
-def test_gradients_never_outlive_their_forward(folder, tmp_path, reference):
+def test_gradients_never_outlive_their_forward(folder, tmp_path, reference, monkeypatch):
     model = _dispatched(folder, tmp_path)
     q = model.get_submodule(Q)
-    seen = _held_weights(q)
+    seen = _held_weights(q, monkeypatch)
     with torch.no_grad():
         model(IDS)
     model(IDS).logits.sum().backward()  # recording: a new Parameter, never kept
@@ -123,10 +134,10 @@ def test_gradients_never_outlive_their_forward(folder, tmp_path, reference):
     assert seen[2].grad is None and seen[2] is not seen[1]
 
 
-def test_inference_mode_values_are_never_kept(folder, tmp_path, reference):
+def test_inference_mode_values_are_never_kept(folder, tmp_path, reference, monkeypatch):
     model = _dispatched(folder, tmp_path)
     model.requires_grad_(False)
-    seen = _held_weights(model.get_submodule(Q))
+    seen = _held_weights(model.get_submodule(Q), monkeypatch)
     with torch.inference_mode():
         model(IDS)
     embeds = model.get_input_embeddings()(IDS).detach().requires_grad_()
@@ -137,7 +148,7 @@ def test_inference_mode_values_are_never_kept(folder, tmp_path, reference):
     assert seen[2] is seen[1]
 
 
-def test_weights_map_changes_reach_the_forward(folder, tmp_path, reference):
+def test_weights_map_changes_reach_the_forward(folder, tmp_path, reference, monkeypatch):
     model = _dispatched(folder, tmp_path)
     q = model.get_submodule(Q)
     with torch.no_grad():
@@ -168,12 +179,13 @@ def test_weights_map_changes_reach_the_forward(folder, tmp_path, reference):
     assert seen[0] is seen[1] and seen[2] is not seen[1]
 
 
-def test_a_deep_copy_keeps_nothing(folder, tmp_path, reference):
+def test_a_deep_copy_keeps_nothing(folder, tmp_path, reference, monkeypatch):
     model = _dispatched(folder, tmp_path)
     with torch.no_grad():
         model(IDS)
         clone = copy.deepcopy(model)
-        seen, clone_seen = _held_weights(model.get_submodule(Q)), _held_weights(clone.get_submodule(Q))
+        seen = _held_weights(model.get_submodule(Q), monkeypatch)
+        clone_seen = _held_weights(clone.get_submodule(Q), monkeypatch)
         torch.testing.assert_close(clone(IDS).logits, reference(IDS).logits)
         model(IDS)
         clone(IDS)

@@ -316,8 +316,8 @@ class AlignDevicesHook(ModelHook):
         if self.io_same_device:
             self.input_device = find_device([args, kwargs])
         if self.offload or self.members:
-            # A block's hook on the CPU lets each member read its own values (no flat dict to split).
-            staged = self.prefetcher.take(self, read=not self.members) if self.prefetcher is not None else None
+            # On the CPU each hook reads its own values (the same views; kept ones are not read again, hooks.kept).
+            staged = self.prefetcher.take(self, read=False) if self.prefetcher is not None else None
             if self.members:
                 self._load_members(module, staged)
             else:
