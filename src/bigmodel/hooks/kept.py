@@ -124,15 +124,16 @@ def put_in_all_kept(hook: Any, module: nn.Module, grad: bool) -> bool:
     if not slots:
         return True
     kept = hook.__dict__.get("_kept")
-    source = token_source(hook, None) if kept else None
-    if source is None:
-        return False
-    get, tied_map = source[0], hook.tied_params_map
+    cached = kept.source if kept else None
+    if cached is None or cached[0] is not hook.weights_map or cached[1] is None:
+        return False  # a load asks the (new) weights map how to tell
+    get, tied_map = cached[1][0], hook.tied_params_map
     with torch._C.DisableTorchFunctionSubclass():
         for name, slot in slots.items():
             entry = kept.get(name)
-            if (entry is None or not entry.simple or not _current(entry, slot, get(entry.key), grad)
-                    or (tied_map and entry.pointer in tied_map)):
+            if entry is None or not entry.simple:
+                return False
+            if not _current(entry, slot, get(entry.key), grad) or (tied_map and entry.pointer in tied_map):
                 return False
             params[name] = entry.loaded
     return True
