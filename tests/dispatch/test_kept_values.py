@@ -190,3 +190,18 @@ def test_a_deep_copy_keeps_nothing(folder, tmp_path, reference, monkeypatch):
         model(IDS)
         clone(IDS)
     assert clone_seen[0] is not seen[0] and clone_seen[1] is clone_seen[0]
+
+
+def test_a_member_load_that_raises_leaves_every_member_as_it_was(folder, tmp_path):
+    from bigmodel.hooks.forward import HookedForward
+
+    model = _dispatched(folder, tmp_path)
+    layer = model.get_submodule("model.layers.1")
+    v_proj = layer.self_attn.v_proj
+    v_proj._hf_hook.weights_map = {}  # its value cannot be read: the block's forward raises there
+    with torch.no_grad(), pytest.raises(KeyError):
+        model(IDS)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+        member = layer.get_submodule(name)
+        assert type(member.__dict__.get("forward")) is HookedForward, name  # its hooks run again outside
+        assert member.weight.is_meta, name  # the placeholder is back
