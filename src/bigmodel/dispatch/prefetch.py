@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from ..offload.quantized_store import read_offloaded
-from ..offload.readahead import ReadAhead
+from ..offload.readahead import ReadAhead, merged_spans, resident
 from .order import ExecutionOrder
 
 logger = logging.getLogger(__name__)
@@ -61,15 +61,9 @@ DEPTH_ENV = "BIGMODEL_PREFETCH_DEPTH"
 DEFAULT_DEPTH = 1
 MAX_DEPTH = 2
 PAGE_BYTES = 4096
-# Modules with fewer offloaded bytes are not prefetched: handing them to a thread costs more
-# than reading them (bytes).
-MIN_BYTES = 1 << 20
-# A CPU-executed module whose pages were found in RAM is asked about again (``mincore``) only
-# every this many times it comes up for read-ahead (decode steps run each module once).
-RECHECK_EVERY = 8
-
-# Below-threshold modules staged between two large ones, at most (stages with stages_small_modules).
-MAX_SMALL_AHEAD = 16
+MIN_BYTES = 1 << 20  # bytes; smaller modules are not prefetched (a thread hand-off costs more than the read)
+RECHECK_EVERY = 8  # a CPU module found in RAM is asked again (``mincore``) only every this many turns
+MAX_SMALL_AHEAD = 16  # below-threshold modules staged between two large ones (stages_small_modules)
 
 StageFn = Callable[..., Any]
 
@@ -191,6 +185,7 @@ class Prefetcher:
         self.order = ExecutionOrder(order)
         self._pending: dict[int, Future] = {}
         self._trusted: dict[int, int] = {}  # id(hook) → turns left before its residency is asked again
+        self._probes: dict[int, list] = {}  # id(hook) → spans of its values (found in RAM), asked without reading them
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
         self.readahead = ReadAhead(self.read)  # storage reads ahead of the page faults (file-backed values)
 
@@ -295,7 +290,9 @@ class Prefetcher:
         """Fault ``target``'s pages in on the background thread unless they are in RAM already.
 
         A module found resident is trusted to stay so for its next ``RECHECK_EVERY - 1`` turns
-        (no ``mincore`` calls, no reads): its own forward then reads its values when it runs.
+        (no ``mincore`` calls, no reads): its own forward then reads its values when it runs.  Then
+        the spans of its values (merged: a few ``mincore`` calls, no weights-map reads) are asked
+        again, and only if some page is out are its values read and asked about one by one.
         Residency only decides whether to read ahead, never which values are used.
         """
         key = id(target)
@@ -303,9 +300,14 @@ class Prefetcher:
         if turns > 0:
             self._trusted[key] = turns - 1
             return
+        probe = self._probes.get(key)
+        if probe and resident(probe):
+            self._trusted[key] = RECHECK_EVERY - 1
+            return
         values = self.read(target)
         if all(pages_resident(value) for value in values.values()):
             self._trusted[key] = RECHECK_EVERY - 1  # in RAM: no thread hand-off, nothing to touch
+            self._probes[key] = merged_spans(values.values())
         else:
             self._pending[key] = _executor().submit(self.stage, values, target.device)
 
@@ -338,6 +340,7 @@ class Prefetcher:
             future.cancel()
         self._pending.clear()
         self._trusted.clear()
+        self._probes.clear()
         self.readahead.reset()
 
 
@@ -393,6 +396,5 @@ def enable_prefetch(
 
 
 def _close_stage(ref: weakref.ref) -> None:
-    stage = ref()
-    if stage is not None:
+    if (stage := ref()) is not None:
         stage.close()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .forward import HookedForward, WeakBoundMethod
+from .kept import put_back_all_kept, put_in_all_kept
 
 Bypassed = list[tuple[nn.Module, Any, Any]]  # (member, its hook, its hooked forward)
 
@@ -35,7 +36,8 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
 
     Args:
         members: ``(submodule, its AlignDevicesHook)`` pairs.
-        split: staged values per hook id (:func:`split_staged`); a hook without an entry reads its own.
+        split: staged values per hook id (:func:`split_staged`); a hook without an entry reads its own
+            (or puts in the values it kept from its last forward, see :mod:`bigmodel.hooks.kept`).
 
     Returns:
         The members taken over, for :func:`restore_members`.  A member whose module no longer holds
@@ -46,6 +48,7 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
         member taken over so far got its placeholders and hooked forward back.
     """
     bypassed: Bypassed = []
+    grad = torch.is_grad_enabled()
     try:
         for member, hook in members:
             state = member.__dict__
@@ -53,11 +56,13 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
             if state.get("_hf_hook") is not hook or type(hooked) is not HookedForward:
                 continue  # its hooks changed since (another hook appended, or removed): they run themselves
             if hook.offload:
-                try:
-                    hook.load_weights(member, split.get(id(hook)))
-                except BaseException:
-                    hook.unload_weights(member)  # the values it put in before the failure go back
-                    raise
+                staged = split.get(id(hook)) if split else None
+                if staged is not None or not put_in_all_kept(hook, member, grad):
+                    try:
+                        hook.load_weights(member, staged)
+                    except BaseException:
+                        hook.unload_weights(member)  # the values it put in before the failure go back
+                        raise
             bypassed.append((member, hook, hooked))
             old = state.get("_old_forward")
             if type(old) is WeakBoundMethod:
@@ -73,6 +78,6 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
 def restore_members(bypassed: Iterable[tuple[nn.Module, Any, Any]]) -> None:
     """Put the placeholders and the hooked forwards of members taken over by :func:`bypass_members` back."""
     for member, hook, forward in bypassed:
-        if hook.offload:
+        if hook.offload and not put_back_all_kept(hook, member):
             hook.unload_weights(member)
         member.__dict__["forward"] = forward
