@@ -29,6 +29,7 @@ from ..core.tensors import (
 )
 from ..offload.quantized_store import read_offloaded, take_dequantized, take_subclass
 from .kept import KeptValues, keep_value, put_in_kept, token_source
+from .block_plan import PlanSlot
 from .members import bypass_members, restore_members, split_staged
 from .moving import find_device, send_inputs_to_device, send_to_device
 from .placeholders import (
@@ -97,6 +98,7 @@ class AlignDevicesHook(ModelHook):
         # Offloaded submodules whose weights this hook swaps in and out with its own (see set_members).
         self.members: list[tuple[nn.Module, AlignDevicesHook]] = []
         self._bypassed: list[list[tuple[nn.Module, AlignDevicesHook, Any]]] = []  # per active forward
+        self._plans = PlanSlot()  # the members' kept values, put in in one pass (hooks.block_plan)
 
     _REPR_FIELDS = ("execution_device", "offload", "io_same_device", "offload_buffers", "place_submodules",
                     "skip_keys")
@@ -165,6 +167,7 @@ class AlignDevicesHook(ModelHook):
                 this hook's execution device.
         """
         self.members = list(members)
+        self._plans = PlanSlot()
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         if self.offload:
@@ -331,7 +334,7 @@ class AlignDevicesHook(ModelHook):
         split = split_staged(staged)
         if self.offload:
             self.load_weights(module, split.get(id(self)))
-        self._bypassed.append(bypass_members(self.members, split))
+        self._bypassed.append(bypass_members(self.members, split, self.__dict__.get("_plans")))
 
     def _unload_members(self) -> None:
         restore_members(self._bypassed.pop() if self._bypassed else ())
@@ -356,6 +359,7 @@ class AlignDevicesHook(ModelHook):
         while self._bypassed:  # removed inside its own forward: the members get their hooked forwards back
             self._unload_members()
         self.members = []
+        self._plans = PlanSlot()
         if not self.offload:
             return module
         for name, slot, dtype, requires_grad in placeholder_states(self._slots):
