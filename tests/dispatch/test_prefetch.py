@@ -280,3 +280,26 @@ def test_cpu_take_does_not_wait_for_an_unfinished_read_ahead():
     prefetcher._pending[id(hook)] = Future()  # never completes
     assert torch.equal(prefetcher.take(hook)["w"], torch.ones(2))
     assert prefetcher.pending == 0
+
+
+def test_resident_modules_are_asked_again_by_the_spans_of_their_values(offloaded, monkeypatch):
+    """After a module's values were found in RAM, its residency is asked with a few ``mincore`` calls on
+    the merged spans of their memory, without reading the values or asking about each one again."""
+    from bigmodel.dispatch import prefetch as _prefetch
+
+    model, expected = offloaded
+    asked: list[int] = []
+    real = _prefetch.pages_resident
+    monkeypatch.setattr(_prefetch, "pages_resident", lambda tensor: asked.append(tensor.numel()) or real(tensor))
+    enable_prefetch(model, depth=1, min_bytes=0)
+    with torch.no_grad():
+        for _ in range(4 * _prefetch.RECHECK_EVERY):
+            assert torch.equal(model(X), expected)
+    assert 0 < len(asked) <= 5 * 2  # each module's two tensors, once
+
+    monkeypatch.setattr(_prefetch, "resident", lambda spans: False)  # pages evicted since
+    asked.clear()
+    with torch.no_grad():
+        for _ in range(_prefetch.RECHECK_EVERY):
+            assert torch.equal(model(X), expected)
+    assert len(asked) >= 5  # each module's values read and asked about again

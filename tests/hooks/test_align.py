@@ -437,3 +437,19 @@ def test_attach_on_blocks_single_device_forms():
     attach_align_device_hook_on_blocks(offloaded, "cpu", offload=True, weights_map=offloaded.state_dict())
     assert has_offloaded_params(offloaded.blocks[0].linear) and not hasattr(offloaded, "_hf_hook")
     assert torch.equal(resident(x), expected) and torch.equal(offloaded(x), expected)
+
+
+def test_an_object_with_its_own_to_is_moved_even_after_its_class_was_seen():
+    from bigmodel.hooks.moving import send_inputs_to_device
+
+    class Cache:  # no container, no .to on the class: given back as it is
+        pass
+
+    plain, own = Cache(), Cache()
+    own.to = lambda device, non_blocking=False: ("moved", device)
+    cpu = torch.device("cpu")
+    for _ in range(2):
+        _, kwargs = send_inputs_to_device((), {"cache": plain}, cpu)
+        assert kwargs["cache"] is plain
+    _, kwargs = send_inputs_to_device((), {"cache": own}, cpu)
+    assert kwargs["cache"] == ("moved", cpu)

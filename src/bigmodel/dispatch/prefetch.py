@@ -38,8 +38,6 @@ Set ``BIGMODEL_PREFETCH_DEPTH=0`` to turn prefetching off (1 or 2 modules ahead 
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -51,8 +49,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..offload.pages import MINCORE as _MINCORE  # noqa: F401  (tests ask whether mincore exists)
+from ..offload.pages import pages_resident, touch_pages
 from ..offload.quantized_store import read_offloaded
-from ..offload.readahead import ReadAhead
+from ..offload.readahead import ReadAhead, merged_spans, resident
 from .order import ExecutionOrder
 
 logger = logging.getLogger(__name__)
@@ -60,16 +60,9 @@ logger = logging.getLogger(__name__)
 DEPTH_ENV = "BIGMODEL_PREFETCH_DEPTH"
 DEFAULT_DEPTH = 1
 MAX_DEPTH = 2
-PAGE_BYTES = 4096
-# Modules with fewer offloaded bytes are not prefetched: handing them to a thread costs more
-# than reading them (bytes).
-MIN_BYTES = 1 << 20
-# A CPU-executed module whose pages were found in RAM is asked about again (``mincore``) only
-# every this many times it comes up for read-ahead (decode steps run each module once).
-RECHECK_EVERY = 8
-
-# Below-threshold modules staged between two large ones, at most (stages with stages_small_modules).
-MAX_SMALL_AHEAD = 16
+MIN_BYTES = 1 << 20  # bytes; smaller modules are not prefetched (a thread hand-off costs more than the read)
+RECHECK_EVERY = 8  # a CPU module found in RAM is asked again (``mincore``) only every this many turns
+MAX_SMALL_AHEAD = 16  # below-threshold modules staged between two large ones (stages_small_modules)
 
 StageFn = Callable[..., Any]
 
@@ -83,67 +76,6 @@ def _executor() -> ThreadPoolExecutor:
         if _EXECUTOR is None:
             _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigmodel-prefetch")
         return _EXECUTOR
-
-
-def touch_pages(tensor: torch.Tensor) -> None:
-    """Read one byte per memory page of a CPU tensor, so its file-backed pages are faulted in now."""
-    if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
-        return
-    try:
-        raw = tensor.detach().reshape(-1).view(torch.uint8)
-    except RuntimeError:
-        return
-    raw[::PAGE_BYTES].sum()
-
-
-def _load_mincore() -> Callable | None:
-    """libc's ``mincore(addr, length, vec)`` where the platform has it (Linux, macOS), else None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        mincore = libc.mincore
-    except (OSError, AttributeError):
-        return None
-    mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    mincore.restype = ctypes.c_int
-    return mincore
-
-
-_MINCORE = _load_mincore()
-_SYSTEM_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else PAGE_BYTES
-_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0 of a page's byte when it is resident
-_WINDOWS = 2  # pages_resident samples this many windows of a large tensor (first and last) ...
-_WINDOW_PAGES = 32  # ... of this many pages each
-
-
-def pages_resident(tensor: torch.Tensor) -> bool:
-    """True if the memory pages under a CPU tensor are in RAM (so reading it ahead gains nothing).
-
-    Asks the kernel (``mincore``) without touching the pages.  The kernel's cost grows with the
-    pages asked about (about 3 µs per MB), so a large tensor is sampled: ``_WINDOWS`` windows
-    of ``_WINDOW_PAGES`` pages (its first and last), one ``mincore`` call each (about 5 µs).
-    A partly evicted tensor may then pass as resident and fault its missing pages on the
-    forward thread (correct, only slower).  False when unknown (no ``mincore``, a
-    non-contiguous or non-CPU tensor): the caller reads ahead anyway.
-    """
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return False
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return True
-    if _MINCORE is None:
-        return False
-    start = tensor.data_ptr() & ~(_SYSTEM_PAGE - 1)
-    pages = -(-(tensor.data_ptr() + nbytes - start) // _SYSTEM_PAGE)
-    if pages <= _WINDOWS * _WINDOW_PAGES:
-        windows = [(start, pages)]
-    else:
-        step = (pages - _WINDOW_PAGES) // (_WINDOWS - 1)
-        windows = [(start + i * step * _SYSTEM_PAGE, _WINDOW_PAGES) for i in range(_WINDOWS)]
-    vec = ctypes.create_string_buffer(max(count for _, count in windows))
-    for address, count in windows:
-        if _MINCORE(address, count * _SYSTEM_PAGE, vec) != 0 or b"\x00" in vec.raw[:count].translate(_LOW_BIT):
-            return False
-    return True
 
 
 def stage(values: dict[str, torch.Tensor], device: torch.device | None) -> dict[str, torch.Tensor]:
@@ -191,6 +123,8 @@ class Prefetcher:
         self.order = ExecutionOrder(order)
         self._pending: dict[int, Future] = {}
         self._trusted: dict[int, int] = {}  # id(hook) → turns left before its residency is asked again
+        self._probes: dict[int, list] = {}  # id(hook) → spans of its values (found in RAM), asked without reading them
+        self._steady: dict[int, list[int]] = {}  # index → ids of the CPU hooks ahead of it, read in place
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
         self.readahead = ReadAhead(self.read)  # storage reads ahead of the page faults (file-backed values)
 
@@ -241,34 +175,58 @@ class Prefetcher:
         """Called when ``hook``'s module starts: stage the next modules in the execution order
         (the guessed one during the first forward, which records the actual one)."""
         order = self.order
+        if not order.recording and not self._pending and not self.readahead.active:
+            index = order.position.get(id(hook))
+            if index and self._countdown(self._steady.get(index)):
+                return  # every module ahead is in RAM and trusted to stay (decode steps of a warm cache)
         first = order.at_start
         changed = order.observe(hook)
         if changed:  # the recorded order replaces the guess: learn the read-ahead spans again along it
             self.readahead.reset()
+            self._steady.clear()
         index = order.position.get(id(hook))
         if index is None or self.depth <= 0:
             return
-        self.readahead.advance(order.refs, index, new_pass=first or changed)
+        readahead = self.readahead
+        if readahead.active or index == 0 or first or changed:  # otherwise it has nothing to do (no lock taken)
+            readahead.advance(order.refs, index, new_pass=first or changed)
         ahead = self._ahead(index)
         if self._pending:
             ahead_keys = {id(order.refs[j]()) for j in ahead}
             for stale in [k for k in self._pending if k not in ahead_keys]:
                 self._pending.pop(stale).cancel()
-        large = [order.sizes[order.position[k]] for k in self._pending]
-        staged, largest = sum(b for b in large if b >= self.min_bytes), order.largest
+        staged, largest, in_place = None, order.largest, []
         for j in ahead:
             target = order.refs[j]()
             if target is None or id(target) in self._pending:
                 continue
             if self.in_place and _on_cpu(target.device):
                 self._read_ahead_in_place(target)
+                in_place.append(id(target))
                 continue
+            if staged is None:  # bytes of the modules staged ahead now
+                staged = sum(b for b in (order.sizes[order.position[k]] for k in self._pending) if b >= self.min_bytes)
             if order.sizes[j] >= self.min_bytes:
                 if staged + order.sizes[j] > largest:
                     break  # the modules staged ahead hold at most the largest module's bytes
                 staged += order.sizes[j]
             context = self._capture(target.device) if self._capture is not None else None
             self._pending[id(target)] = _executor().submit(self._fetch, order.refs[j], context)
+        if not order.recording and len(in_place) == len(ahead):
+            self._steady[index] = in_place
+
+    def _countdown(self, keys: list[int] | None) -> bool:
+        """One more turn for each of the modules ``keys`` (found in RAM) without asking the kernel: what
+        :meth:`_read_ahead_in_place` does for them; False (nothing counted) when one is due to be asked."""
+        if keys is None:
+            return False
+        trusted = self._trusted
+        for key in keys:
+            if trusted.get(key, 0) <= 0:
+                return False
+        for key in keys:
+            trusted[key] -= 1
+        return True
 
     def _ahead(self, index: int) -> list[int]:
         """Positions to stage after ``index``: the next ``depth`` modules of at least ``min_bytes``
@@ -295,7 +253,9 @@ class Prefetcher:
         """Fault ``target``'s pages in on the background thread unless they are in RAM already.
 
         A module found resident is trusted to stay so for its next ``RECHECK_EVERY - 1`` turns
-        (no ``mincore`` calls, no reads): its own forward then reads its values when it runs.
+        (no ``mincore`` calls, no reads): its own forward then reads its values when it runs.  Then
+        the spans of its values (merged: a few ``mincore`` calls, no weights-map reads) are asked
+        again, and only if some page is out are its values read and asked about one by one.
         Residency only decides whether to read ahead, never which values are used.
         """
         key = id(target)
@@ -303,9 +263,14 @@ class Prefetcher:
         if turns > 0:
             self._trusted[key] = turns - 1
             return
+        probe = self._probes.get(key)
+        if probe and resident(probe):
+            self._trusted[key] = RECHECK_EVERY - 1
+            return
         values = self.read(target)
         if all(pages_resident(value) for value in values.values()):
             self._trusted[key] = RECHECK_EVERY - 1  # in RAM: no thread hand-off, nothing to touch
+            self._probes[key] = merged_spans(values.values())
         else:
             self._pending[key] = _executor().submit(self.stage, values, target.device)
 
@@ -338,6 +303,8 @@ class Prefetcher:
             future.cancel()
         self._pending.clear()
         self._trusted.clear()
+        self._probes.clear()
+        self._steady.clear()
         self.readahead.reset()
 
 
@@ -393,6 +360,5 @@ def enable_prefetch(
 
 
 def _close_stage(ref: weakref.ref) -> None:
-    stage = ref()
-    if stage is not None:
+    if (stage := ref()) is not None:
         stage.close()

@@ -24,16 +24,19 @@ from ..core.devices import torch_device
 from ..core.subclasses import flatten_tensor, is_tensor_subclass, unflatten_tensor
 from ..core.tensors import (
     get_non_persistent_buffers,
-    get_submodule_and_name,
     named_module_tensors,
     set_module_tensor_to_device,
 )
 from ..offload.quantized_store import read_offloaded, take_dequantized, take_subclass
+from .kept import KeptValues, keep_value, put_in_kept, token_source
+from .block_plan import PlanSlot
 from .members import bypass_members, restore_members, split_staged
 from .moving import find_device, send_inputs_to_device, send_to_device
 from .placeholders import (
     Slot,
     adopt_registered_parameters,
+    adopt_replaced_buffers,
+    assign_tensor,
     follow_held_dtype,
     inner_hook_follows,
     make_slot,
@@ -45,14 +48,6 @@ from .registry import ModelHook, iter_hooks
 logger = logging.getLogger(__name__)
 
 _HOOK_DEVICE: Any = object()  # load_value's default: the hook's own execution device
-
-
-def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    sub, attr = get_submodule_and_name(module, name) if "." in name else (module, name)
-    if attr in sub._parameters:
-        sub._parameters[attr] = tensor  # type: ignore[assignment]
-    else:
-        sub._buffers[attr] = tensor
 
 
 class AlignDevicesHook(ModelHook):
@@ -99,9 +94,11 @@ class AlignDevicesHook(ModelHook):
         self.module_name = ""
         self.prefetcher: Any = None  # set by _prefetch.enable_prefetch
         self._slots: dict[str, Slot] = {}
+        self._kept = KeptValues()  # values put in at an earlier forward, put in again while current (hooks.kept)
         # Offloaded submodules whose weights this hook swaps in and out with its own (see set_members).
         self.members: list[tuple[nn.Module, AlignDevicesHook]] = []
         self._bypassed: list[list[tuple[nn.Module, AlignDevicesHook, Any]]] = []  # per active forward
+        self._plans = PlanSlot()  # the members' kept values, put in in one pass (hooks.block_plan)
 
     _REPR_FIELDS = ("execution_device", "offload", "io_same_device", "offload_buffers", "place_submodules",
                     "skip_keys")
@@ -170,6 +167,7 @@ class AlignDevicesHook(ModelHook):
                 this hook's execution device.
         """
         self.members = list(members)
+        self._plans = PlanSlot()
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         if self.offload:
@@ -199,11 +197,12 @@ class AlignDevicesHook(ModelHook):
                 "module), or weights_map=None to offload the module's own values."
             )
         params = {name for name, _ in module.named_parameters(recurse=self.place_submodules)}
+        self._kept.clear()
         for name, tensor in tensors:
             self.original_devices[name] = tensor.device
             slot = make_slot(self, name, tensor, name in params)
             self._slots[name] = slot
-            _assign(module, name, slot.placeholder)
+            assign_tensor(module, name, slot.placeholder)
         if self.execution_device is None:
             return
         if self.offload_buffers:
@@ -252,11 +251,17 @@ class AlignDevicesHook(ModelHook):
     def load_weights(self, module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) -> None:
         """Put the offloaded values into ``module`` (from ``values`` if given, else the weights map)."""
         values = None if adopt_registered_parameters(self, module) else values
-        source = read_offloaded(self.weights_map, self._slots) if values is None else values  # type: ignore[arg-type]
+        if not self._slots:
+            return
+        adopt_replaced_buffers(self._slots, module)
+        tokens = token_source(self, values)
+        names = put_in_kept(self, module, tokens) if tokens is not None else self._slots
+        if not names:
+            return
+        source = read_offloaded(self.weights_map, names) if values is None else values  # type: ignore[arg-type]
         device = self.device
         tied_map = self.tied_params_map
-        self._adopt_replaced_buffers(module)
-        for name, slot, dtype, requires_grad in placeholder_states(self._slots):
+        for name, slot, dtype, requires_grad in placeholder_states(self._slots, names):
             rebuilt = take_dequantized(self.weights_map, source, name, device)  # type: ignore[arg-type]
             if rebuilt is None and name not in source:
                 rebuilt = take_subclass(self.weights_map, source, name, device)  # type: ignore[arg-type]
@@ -265,37 +270,30 @@ class AlignDevicesHook(ModelHook):
             if tied_map and not value.is_meta and rebuilt is None:  # a tied value is put on a device once
                 per_device = tied_map.get(value.data_ptr())
                 if per_device is not None and device in per_device:
-                    _assign(module, name, per_device[device])
+                    assign_tensor(module, name, per_device[device])
                     continue
             loaded = self._as_held(slot, value, device, dtype, requires_grad)
+            if tokens is not None and rebuilt is None:
+                keep_value(self, tokens, name, slot, value, loaded)
             if per_device is not None:
                 per_device[device] = loaded
                 self.tied_pointers_to_remove.add((value.data_ptr(), device))
-            _assign(module, name, loaded)
-
-    def _adopt_replaced_buffers(self, module: nn.Module) -> None:
-        """Take as placeholder a buffer placeholder the module now holds instead of ours: ``module.to(dtype)``
-        replaces buffers by new (meta) tensors where it casts parameters in place."""
-        for name, slot in self._slots.items():
-            if slot.is_parameter:
-                continue
-            owner, _, leaf = name.rpartition(".")
-            held = (module.get_submodule(owner) if owner else module)._buffers.get(leaf)
-            if held is not None and held is not slot.placeholder and held.is_meta:
-                slot.placeholder = held
+            assign_tensor(module, name, loaded)
 
     def share_placeholder(self, module: nn.Module, name: str, placeholder: torch.Tensor) -> None:
         """Hold ``placeholder`` for tensor ``name`` between forwards (tied names share one, as they shared
         one Parameter); it must describe the same tensor (its value comes from this hook's weights map)."""
         self._slots[name].placeholder = placeholder
-        _assign(module, name, placeholder)
+        self._kept.pop(name, None)
+        assign_tensor(module, name, placeholder)
 
     def stop_offloading(self, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         """Hold ``tensor`` for ``name`` from now on, in memory, instead of offloading it (a tied name whose
         Parameter another module holds on this hook's execution device: one Parameter, as on the plain model)."""
         del self._slots[name]
+        self._kept.pop(name, None)
         self.original_devices.pop(name, None)
-        _assign(module, name, tensor)
+        assign_tensor(module, name, tensor)
 
     def unload_weights(self, module: nn.Module) -> None:
         """Put the meta placeholders back (the values' memory belongs to the weights map again).
@@ -305,12 +303,14 @@ class AlignDevicesHook(ModelHook):
         that dtype: its placeholder takes it, as the plain module would keep the Parameter it
         holds.  Not when a hook of this module runs after this one (``runs_innermost``): that hook
         still has the values in hand and sets their dtype itself."""
+        if not self._slots and not self.tied_pointers_to_remove:
+            return
         follow = not inner_hook_follows(module, self)
         with torch._C.DisableTorchFunctionSubclass():
             for name, slot in self._slots.items():
                 if follow and slot.is_parameter and slot.param_type is nn.Parameter:
                     follow_held_dtype(module, name, slot)
-                _assign(module, name, slot.placeholder)
+                assign_tensor(module, name, slot.placeholder)
         for pointer, device in self.tied_pointers_to_remove:
             self.tied_params_map.get(pointer, {}).pop(device, None)  # type: ignore[union-attr]
         self.tied_pointers_to_remove.clear()
@@ -319,8 +319,8 @@ class AlignDevicesHook(ModelHook):
         if self.io_same_device:
             self.input_device = find_device([args, kwargs])
         if self.offload or self.members:
-            # A block's hook on the CPU lets each member read its own values (no flat dict to split).
-            staged = self.prefetcher.take(self, read=not self.members) if self.prefetcher is not None else None
+            # On the CPU each hook reads its own values (the same views; kept ones are not read again, hooks.kept).
+            staged = self.prefetcher.take(self, read=False) if self.prefetcher is not None else None
             if self.members:
                 self._load_members(module, staged)
             else:
@@ -334,7 +334,7 @@ class AlignDevicesHook(ModelHook):
         split = split_staged(staged)
         if self.offload:
             self.load_weights(module, split.get(id(self)))
-        self._bypassed.append(bypass_members(self.members, split))
+        self._bypassed.append(bypass_members(self.members, split, self.__dict__.get("_plans")))
 
     def _unload_members(self) -> None:
         restore_members(self._bypassed.pop() if self._bypassed else ())
@@ -359,14 +359,16 @@ class AlignDevicesHook(ModelHook):
         while self._bypassed:  # removed inside its own forward: the members get their hooked forwards back
             self._unload_members()
         self.members = []
+        self._plans = PlanSlot()
         if not self.offload:
             return module
         for name, slot, dtype, requires_grad in placeholder_states(self._slots):
             value = self.weights_map[name]  # type: ignore[index]
             original = self.original_devices.get(name)
             device = original if original is not None and original.type != "meta" else None
-            _assign(module, name, self._as_held(slot, value, device, dtype, requires_grad))
+            assign_tensor(module, name, self._as_held(slot, value, device, dtype, requires_grad))
         self._slots.clear()
+        self._kept.clear()
         return module
 
 

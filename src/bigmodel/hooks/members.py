@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from .forward import HookedForward, WeakBoundMethod
+from .block_plan import PlannedBypass, PlanSlot, make_plan, put_back_plan, put_in_plan
+from .kept import put_back_all_kept, put_in_all_kept
 
 Bypassed = list[tuple[nn.Module, Any, Any]]  # (member, its hook, its hooked forward)
 
@@ -30,12 +32,17 @@ def split_staged(staged: Mapping[str, torch.Tensor] | None) -> dict[int, dict[st
     return split
 
 
-def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int, Mapping[str, torch.Tensor]]) -> Bypassed:
+def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int, Mapping[str, torch.Tensor]],
+                   plans: PlanSlot | None = None) -> Bypassed:
     """Put each member's offloaded weights in and set its hooked forward aside.
 
     Args:
         members: ``(submodule, its AlignDevicesHook)`` pairs.
-        split: staged values per hook id (:func:`split_staged`); a hook without an entry reads its own.
+        split: staged values per hook id (:func:`split_staged`); a hook without an entry reads its own
+            (or puts in the values it kept from its last forward, see :mod:`bigmodel.hooks.kept`).
+        plans: the block's :class:`~bigmodel.hooks.block_plan.PlanSlot`: without staged values, its
+            plan puts every member's kept values in at once when nothing changed, and a new plan is
+            made when the members were taken over one by one.
 
     Returns:
         The members taken over, for :func:`restore_members`.  A member whose module no longer holds
@@ -45,6 +52,12 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
         Whatever a member's load raises (a weights map without the value, a read error), after every
         member taken over so far got its placeholders and hooked forward back.
     """
+    grad = torch.is_grad_enabled()
+    planned = plans is not None and not split
+    if planned and plans.plan is not None:  # type: ignore[union-attr]
+        taken = put_in_plan(plans.plan, grad)  # type: ignore[union-attr]
+        if taken is not None:
+            return taken
     bypassed: Bypassed = []
     try:
         for member, hook in members:
@@ -53,11 +66,13 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
             if state.get("_hf_hook") is not hook or type(hooked) is not HookedForward:
                 continue  # its hooks changed since (another hook appended, or removed): they run themselves
             if hook.offload:
-                try:
-                    hook.load_weights(member, split.get(id(hook)))
-                except BaseException:
-                    hook.unload_weights(member)  # the values it put in before the failure go back
-                    raise
+                staged = split.get(id(hook)) if split else None
+                if staged is not None or not put_in_all_kept(hook, member, grad):
+                    try:
+                        hook.load_weights(member, staged)
+                    except BaseException:
+                        hook.unload_weights(member)  # the values it put in before the failure go back
+                        raise
             bypassed.append((member, hook, hooked))
             old = state.get("_old_forward")
             if type(old) is WeakBoundMethod:
@@ -67,12 +82,16 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
     except BaseException:
         restore_members(bypassed)  # a load that raised: every member taken over so far is given back
         raise
+    if planned:
+        plans.plan = make_plan(bypassed, len(members))  # type: ignore[union-attr]
     return bypassed
 
 
 def restore_members(bypassed: Iterable[tuple[nn.Module, Any, Any]]) -> None:
     """Put the placeholders and the hooked forwards of members taken over by :func:`bypass_members` back."""
+    if type(bypassed) is PlannedBypass and put_back_plan(bypassed):
+        return
     for member, hook, forward in bypassed:
-        if hook.offload:
+        if hook.offload and not put_back_all_kept(hook, member):
             hook.unload_weights(member)
         member.__dict__["forward"] = forward

@@ -62,9 +62,24 @@ def _settled(obj: Any, device: torch.device) -> bool:
             if not _settled(item, device):
                 return False
         return True
+    cls = type(obj)
+    if cls in _OPAQUE_TYPES:  # only an instance attribute could make it movable
+        state = getattr(obj, "__dict__", None)
+        return state is None or "to" not in state
     if isinstance(obj, (tuple, list, Mapping)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
         return False
-    return isinstance(obj, nn.Module) or not callable(getattr(obj, "to", None))
+    if isinstance(obj, nn.Module):
+        return True
+    plain_lookup = cls.__getattribute__ is object.__getattribute__ and not hasattr(cls, "__getattr__")
+    if plain_lookup and not hasattr(cls, "to") and "to" not in getattr(obj, "__dict__", ()):
+        _OPAQUE_TYPES.add(cls)  # e.g. a KV cache object: asked by type from now on (no failed attribute lookup)
+        return True
+    return not callable(getattr(obj, "to", None))
+
+
+# Classes that are no container, no dataclass, and have no ``to`` (nor ``__getattr__``/``__getattribute__``): _move gives their
+# instances back unchanged unless an instance has a ``to`` of its own.
+_OPAQUE_TYPES: set[type] = set()
 
 
 def send_inputs_to_device(

@@ -30,7 +30,7 @@ import copy
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ from ..core.tensors import get_submodule_and_name
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "OffloadedParameter", "Slot", "make_slot", "offload_source", "placeholder_state",
+    "OffloadedParameter", "Slot", "assign_tensor", "make_slot", "offload_source", "placeholder_state",
     "placeholders_report_execution_device", "placeholders_stay_meta",
 ]
 
@@ -206,11 +206,14 @@ def placeholder_state(slot: Slot) -> tuple[torch.dtype | None, bool]:
         return (dtype if dtype.is_floating_point else None), placeholder.requires_grad
 
 
-def placeholder_states(slots: dict[str, Slot]) -> list[tuple[str, Slot, torch.dtype | None, bool]]:
-    """:func:`placeholder_state` of every slot, in one pass: ``[(name, slot, dtype, requires_grad)]``."""
+def placeholder_states(slots: dict[str, Slot], names: Iterable[str] | None = None,
+                       ) -> list[tuple[str, Slot, torch.dtype | None, bool]]:
+    """:func:`placeholder_state` of every slot (of those named in ``names``, in that order), in one pass:
+    ``[(name, slot, dtype, requires_grad)]``."""
     with torch._C.DisableTorchFunctionSubclass():
         states = []
-        for name, slot in slots.items():
+        for name in slots if names is None else names:
+            slot = slots[name]
             placeholder = slot.placeholder
             dtype = placeholder.dtype
             states.append((name, slot, dtype if dtype.is_floating_point else None, placeholder.requires_grad))
@@ -248,6 +251,15 @@ def make_slot(hook: Any, name: str, tensor: torch.Tensor, is_parameter: bool) ->
     return Slot(placeholder, True, param_type, extra, round_to=round_to)
 
 
+def assign_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` what ``module`` holds for parameter or buffer ``name`` (dotted: of a submodule), as it is."""
+    sub, attr = get_submodule_and_name(module, name) if "." in name else (module, name)
+    if attr in sub._parameters:
+        sub._parameters[attr] = tensor  # type: ignore[assignment]
+    else:
+        sub._buffers[attr] = tensor
+
+
 def follow_held_dtype(module: nn.Module, name: str, slot: Slot) -> None:
     """Give ``slot``'s placeholder the floating dtype of the value ``module`` holds for ``name`` (if it differs).
 
@@ -266,6 +278,18 @@ def inner_hook_follows(module: nn.Module, hook: Any) -> bool:
     """True if a ``runs_innermost`` hook of ``module`` (e.g. layerwise casting) runs its post_forward after ``hook``."""
     chain = getattr(module.__dict__.get("_hf_hook"), "hooks", ())
     return any(getattr(other, "runs_innermost", False) for other in chain if other is not hook)
+
+
+def adopt_replaced_buffers(slots: dict[str, Slot], module: nn.Module) -> None:
+    """Take as placeholder a buffer placeholder ``module`` now holds instead of its slot's: ``module.to(dtype)``
+    replaces buffers by new (meta) tensors where it casts parameters in place."""
+    for name, slot in slots.items():
+        if slot.is_parameter:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        held = (module.get_submodule(owner) if owner else module)._buffers.get(leaf)
+        if held is not None and held is not slot.placeholder and held.is_meta:
+            slot.placeholder = held
 
 
 def adopt_registered_parameters(hook: Any, module: nn.Module) -> bool:

@@ -110,6 +110,29 @@ def file_spans(tensors: Iterable[torch.Tensor], mappings: Sequence[tuple[int, in
     return out
 
 
+def merged_spans(tensors: Iterable[torch.Tensor]) -> list[Span]:
+    """Page-aligned spans covering the CPU tensors' memory, adjacent ones merged (a decoder layer's
+    tensors, stored one after the other in a file: one span); empty when one is not a contiguous CPU
+    tensor, or ``mincore`` is unavailable (nothing can be asked)."""
+    if _LIBC is None:
+        return []
+    ranges = []
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return []
+        if tensor.numel():
+            address = tensor.data_ptr()
+            end = address + tensor.numel() * tensor.element_size()
+            ranges.append((address - address % _PAGE, -(-end // _PAGE) * _PAGE))
+    merged: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi - lo) for lo, hi in merged]
+
+
 def resident(spans: Iterable[Span]) -> bool:
     """True if the first and last ``_SAMPLE_PAGES`` pages of every span are in RAM (``mincore``)."""
     vec = ctypes.create_string_buffer(_SAMPLE_PAGES)

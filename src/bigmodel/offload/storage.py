@@ -12,7 +12,7 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +275,15 @@ class OffloadedWeightsLoader(Mapping):
             self._mapped[key] = tensor
             return detached(tensor)
 
+    def value_token(self, key: str) -> torch.Tensor | None:
+        """The tensor ``self[key]`` is read from, for identity checks only (never change it or hand it out):
+        the in-memory entry, or the kept view of the mapped file; the same object while the value is.
+        None when each read makes a new copy (``device`` set, a file not mapped) or ``key`` was not read yet."""
+        if self.device is not None:
+            return None
+        value = self.state_dict.get(key)
+        return value if value is not None else self._mapped.get(key)
+
     def __contains__(self, key: object) -> bool:
         return key in self.state_dict or key in self.index
 
@@ -320,3 +329,26 @@ class PrefixedDataset(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for key in self.dataset if key.startswith(self.prefix))
+
+
+def value_token_getter(weights_map: Mapping[str, Any]) -> tuple[Callable[[str], Any], str] | None:
+    """How to tell, without reading it, whether ``weights_map[name]`` is still the same value.
+
+    Args:
+        weights_map: a weights map: a dict, an :class:`OffloadedWeightsLoader`, or
+            :class:`PrefixedDataset` views of one.
+
+    Returns:
+        ``(get, prefix)``: ``get(prefix + name)`` is an object that stays the same (identity; compare
+        its ``data_ptr()`` too for a dict entry a caller may re-point) while ``weights_map[name]`` views
+        the same memory, or None for a name not read yet.  None for any other map (it cannot tell).
+    """
+    prefix = ""
+    while type(weights_map) is PrefixedDataset:
+        prefix = weights_map.prefix + prefix
+        weights_map = weights_map.dataset
+    if type(weights_map) is dict:
+        return weights_map.get, prefix
+    if type(weights_map) is OffloadedWeightsLoader and weights_map.device is None:
+        return weights_map.value_token, prefix
+    return None

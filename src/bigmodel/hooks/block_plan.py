@@ -1,0 +1,154 @@
+"""A block's kept values put in, and put back, in one pass (the decode fast path of block hooks).
+
+When every offloading member of a block put in only values it kept from an earlier forward
+(:mod:`bigmodel.hooks.kept`), the block's hook records a :class:`BlockPlan`: flat lists of the
+members and of their tensors.  At the next forward, :func:`put_in_plan` checks in one pass that
+everything a member's own load would check is unchanged (the member's hooks and forward, its
+registered parameters and offloaded names, its weights map and each value's token, the
+placeholder's dtype and ``requires_grad``, grad mode, tied values) and then puts the same
+Parameters in; :func:`put_back_plan` puts the placeholders back.  Anything different and the
+block falls back to the member-by-member path, which puts in exactly what a load would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .forward import WeakBoundMethod
+from .kept import _current as current
+
+# (member.__dict__, the member's hook, its hooked forward, the forward set on the instance before
+# hooking (None: the class's forward))
+_Member = tuple[dict, Any, Any, Any]
+# (the member's _parameters, its hook, count of those parameters, count of the hook's offloaded names,
+# the hook's weights map): checked for each member that offloads
+_Offloading = tuple[dict, Any, int, int, Any]
+# (the member's _parameters, name, slot, kept entry, the hook's kept values, token getter, tied map)
+_Tensor = tuple[dict, str, Any, Any, Any, Any, Any]
+
+
+class BlockPlan:
+    """The members of a block and their kept values, as :func:`put_in_plan` puts them in."""
+
+    __slots__ = ("bypassed", "members", "offloading", "tensors")
+
+    def __init__(self, bypassed: list, members: list[_Member], offloading: list[_Offloading],
+                 tensors: list[_Tensor]) -> None:
+        self.bypassed = bypassed  # (member, hook, hooked forward), as bypass_members returns them
+        self.members = members
+        self.offloading = offloading
+        self.tensors = tensors
+
+
+class PlanSlot:
+    """Holds a block hook's :class:`BlockPlan`; a copy of it holds none (a copied hook plans its own)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self) -> None:
+        self.plan: BlockPlan | None = None
+
+    def __deepcopy__(self, memo: dict) -> PlanSlot:
+        return PlanSlot()
+
+    def __copy__(self) -> PlanSlot:
+        return PlanSlot()
+
+    def __reduce__(self) -> tuple:
+        return (PlanSlot, ())
+
+
+class PlannedBypass(list):
+    """The members taken over by :func:`put_in_plan` (a :data:`~bigmodel.hooks.members.Bypassed` list)."""
+
+    plan: BlockPlan
+
+
+def make_plan(bypassed: list[tuple[nn.Module, Any, Any]], members: int) -> BlockPlan | None:
+    """The plan of a block whose members (all ``members`` of them taken over, in ``bypassed``) hold
+    the values their hooks kept, as simple Parameters of their own; None when any does not."""
+    if len(bypassed) != members:
+        return None
+    plan_members: list[_Member] = []
+    offloading: list[_Offloading] = []
+    tensors: list[_Tensor] = []
+    for member, hook, hooked in bypassed:
+        state = member.__dict__
+        old = state.get("_old_forward")
+        plan_members.append((state, hook, hooked, None if type(old) is WeakBoundMethod else old))
+        if not hook.offload:
+            continue
+        kept = hook.__dict__.get("_kept")
+        source = kept.source if kept else None
+        if source is None or source[1] is None or hook.tied_pointers_to_remove or hook.place_submodules:
+            return None
+        params = member._parameters
+        for name, slot in hook._slots.items():
+            entry = kept.get(name)
+            if entry is None or not entry.simple or params.get(name) is not entry.loaded:
+                return None
+            tensors.append((params, name, slot, entry, kept, source[1][0], hook.tied_params_map))
+        offloading.append((params, hook, len(params), len(hook._slots), hook.weights_map))
+    return BlockPlan(list(bypassed), plan_members, offloading, tensors)
+
+
+def put_in_plan(plan: BlockPlan, grad: bool) -> PlannedBypass | None:
+    """Put the plan's kept values in and set the members' hooked forwards aside, if all is unchanged.
+
+    Returns:
+        The members taken over (for :func:`put_back_plan`), or None when anything changed since the
+        plan was made (nothing was put in: the member-by-member path does the load).
+    """
+    for state, hook, hooked, _ in plan.members:
+        if state.get("_hf_hook") is not hook or state.get("forward") is not hooked:
+            return None
+    for params, hook, n_params, n_slots, weights_map in plan.offloading:
+        if (not hook.offload or len(params) != n_params or len(hook._slots) != n_slots
+                or hook.weights_map is not weights_map or hook.tied_pointers_to_remove):
+            return None
+    tensors = plan.tensors
+    if tensors:
+        with torch._C.DisableTorchFunctionSubclass():
+            for _, name, slot, entry, kept, get, tied_map in tensors:
+                if kept.get(name) is not entry or not current(entry, slot, get(entry.key), grad):
+                    return None
+                if tied_map and entry.pointer in tied_map:
+                    return None
+        for params, name, _, entry, _, _, _ in tensors:
+            params[name] = entry.loaded
+    for state, _, _, old in plan.members:
+        if old is None:
+            del state["forward"]  # the class's forward runs
+        else:
+            state["forward"] = old  # a forward set on the instance before hooking
+    taken = PlannedBypass(plan.bypassed)
+    taken.plan = plan
+    return taken
+
+
+def put_back_plan(taken: PlannedBypass) -> bool:
+    """Put the placeholders and the hooked forwards back after :func:`put_in_plan`, if each member
+    still holds the kept value in its placeholder's dtype and the same hook; False (nothing changed)
+    when the member-by-member path must do it."""
+    plan = taken.plan
+    for state, hook, _, _ in plan.members:
+        if state.get("_hf_hook") is not hook:
+            return False
+    for _, hook, _, _, _ in plan.offloading:
+        if hook.tied_pointers_to_remove:
+            return False
+    tensors = plan.tensors
+    if tensors:
+        with torch._C.DisableTorchFunctionSubclass():
+            for params, name, slot, entry, _, _, _ in tensors:
+                held = params.get(name)
+                if held is not entry.loaded or held.dtype is not slot.placeholder.dtype:
+                    return False
+        for params, name, slot, _, _, _, _ in tensors:
+            params[name] = slot.placeholder
+    for state, _, hooked, _ in plan.members:
+        state["forward"] = hooked
+    return True

@@ -1,0 +1,165 @@
+"""A block whose members put in only kept values is served in one pass (hooks/block_plan.py) from its
+second forward on, and falls back to the member-by-member path as soon as anything it relies on changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _tiny_hf import write_tiny_llama
+from torch import nn
+
+from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
+from bigmodel.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+from bigmodel.hooks import members as members_module
+from bigmodel.hooks.forward import HookedForward
+
+transformers = pytest.importorskip("transformers")
+
+MAP = {
+    "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
+    "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+}  # fmt: skip
+IDS = torch.tensor([[5, 6, 7, 8, 9]])
+BLOCK = "model.layers.1"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", tokenizer=False, tie=True)
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path) -> nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def model(folder: Path, tmp_path: Path) -> nn.Module:
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    model.eval()
+    return load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the plan's fast passes in and back, and the member-by-member passes, of every block."""
+    counts = {"planned": 0, "one by one": 0, "planned back": 0}
+    put_in, put_back, bypass = members_module.put_in_plan, members_module.put_back_plan, members_module.bypass_members
+
+    def counting_put_in(plan, grad):
+        taken = put_in(plan, grad)
+        counts["planned"] += taken is not None
+        return taken
+
+    def counting_put_back(taken):
+        done = put_back(taken)
+        counts["planned back"] += done
+        return done
+
+    def counting_bypass(members, split, plans=None):
+        before = counts["planned"]
+        result = bypass(members, split, plans)
+        counts["one by one"] += counts["planned"] == before
+        return result
+
+    monkeypatch.setattr(members_module, "put_in_plan", counting_put_in)
+    monkeypatch.setattr(members_module, "put_back_plan", counting_put_back)
+    import bigmodel.hooks.align_hook as align_hook
+
+    monkeypatch.setattr(align_hook, "bypass_members", counting_bypass)
+    return counts
+
+
+def _placeholders_back(block: nn.Module) -> None:
+    for name, param in block.named_parameters():
+        assert param.is_meta, name
+    for name, sub in block.named_modules():
+        if name and "_hf_hook" in sub.__dict__:
+            assert type(sub.__dict__.get("forward")) is HookedForward, name
+
+
+def test_blocks_are_served_by_their_plan_from_the_second_forward(model, reference, calls):
+    with torch.no_grad():
+        expected = reference(IDS).logits
+        torch.testing.assert_close(model(IDS).logits, expected)
+        assert calls == {"planned": 0, "one by one": 4, "planned back": 0}  # 4 blocks (2 resident, 2 on disk)
+        for _ in range(2):
+            torch.testing.assert_close(model(IDS).logits, expected)
+    assert calls == {"planned": 8, "one by one": 4, "planned back": 8}
+    _placeholders_back(model.get_submodule(BLOCK))
+
+
+def test_a_member_hook_removed_between_forwards_ends_the_plan(model, reference, calls):
+    with torch.no_grad():
+        expected = reference(IDS).logits
+        model(IDS)
+        model(IDS)
+        q_proj = model.get_submodule(BLOCK).self_attn.q_proj
+        remove_hook_from_module(q_proj)  # its weights are put back in memory, its forward is plain again
+        assert not q_proj.weight.is_meta
+        planned = calls["planned"]
+        torch.testing.assert_close(model(IDS).logits, expected)
+        assert calls["planned"] == planned + 3  # the 3 other blocks; this one took its members one by one
+        torch.testing.assert_close(model(IDS).logits, expected)
+    assert "forward" not in q_proj.__dict__ and not q_proj.weight.is_meta
+
+
+def test_a_hook_appended_to_a_member_runs(model, reference, calls):
+    seen = []
+
+    class Recording(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(module.weight.is_meta)
+            return args, kwargs
+
+    with torch.no_grad():
+        expected = reference(IDS).logits
+        model(IDS)
+        model(IDS)
+        up_proj = model.get_submodule(BLOCK).mlp.up_proj
+        add_hook_to_module(up_proj, Recording(), append=True)
+        torch.testing.assert_close(model(IDS).logits, expected)
+        torch.testing.assert_close(model(IDS).logits, expected)
+    assert seen == [False, False]  # it ran at each forward, after the offloading hook put the weight in
+
+
+def test_a_forward_that_raises_puts_everything_back(model, reference, calls):
+    block = model.get_submodule(BLOCK)
+    with torch.no_grad():
+        expected = reference(IDS).logits
+        model(IDS)
+        model(IDS)
+
+        def fail(module, args):
+            raise RuntimeError("boom")
+
+        handle = block.mlp.down_proj.register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="boom"):
+            model(IDS)
+        handle.remove()
+        _placeholders_back(block)
+        assert calls["planned back"] == calls["planned"]  # the raising block too (through forward_failed)
+        torch.testing.assert_close(model(IDS).logits, expected)
+    _placeholders_back(block)
+
+
+def test_a_value_changed_in_the_weights_map_is_used(model, reference, calls):
+    block = model.get_submodule(BLOCK)
+    hook = block.mlp.gate_proj._hf_hook
+    with torch.no_grad():
+        model(IDS)
+        model(IDS)
+        loader = hook.weights_map.dataset
+        key = hook.weights_map.prefix + "weight"
+        loader.state_dict[key] = loader[key] * 2  # what writing an offloaded value does
+        reference.get_submodule(BLOCK).mlp.gate_proj.weight.mul_(2)
+        try:
+            torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
+            torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
+        finally:
+            reference.get_submodule(BLOCK).mlp.gate_proj.weight.div_(2)

@@ -1,0 +1,207 @@
+"""An offloaded module computing in place with its weights map's memory (CPU, mmap views or a dict) is
+given the same Parameter at each forward, as a plain model is, while nothing it is built from changed;
+every change (in the forward, model-wide, in the weights map, grad and inference modes) still reaches it."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from _tiny_hf import write_tiny_llama
+from torch import nn
+
+from bigmodel import align_module_device, init_empty_weights, load_checkpoint_and_dispatch
+from bigmodel.hooks import AlignDevicesHook, add_hook_to_module
+
+transformers = pytest.importorskip("transformers")
+
+MAP = {
+    "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
+    "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+}  # fmt: skip
+IDS = torch.tensor([[5, 6, 7, 8, 9]])
+Q = "model.layers.1.self_attn.q_proj"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", tokenizer=False, tie=True)
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path) -> nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _dispatched(folder: Path, tmp_path: Path) -> nn.Module:
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    model.eval()
+    return load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
+
+
+def _held_weights(module: nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Records ``module.weight`` as the module holds it in each of its forwards (inside its hooks)."""
+    seen: list[torch.Tensor] = []
+    cls = type(module)
+    forward = cls.forward
+
+    def recording(self, *args, **kwargs):
+        if self is module:
+            seen.append(self.weight)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", recording)
+    return seen
+
+
+@pytest.mark.parametrize("block_hooks", ["1", "0"])  # one hook run per block, or per submodule
+def test_the_same_parameter_at_each_forward(folder, tmp_path, reference, monkeypatch, block_hooks):
+    monkeypatch.setenv("BIGMODEL_BLOCK_HOOKS", block_hooks)
+    model = _dispatched(folder, tmp_path)
+    assert bool(model.get_submodule("model.layers.1")._hf_hook.members) is (block_hooks == "1")
+    seen = _held_weights(model.get_submodule(Q), monkeypatch)
+    with torch.no_grad():
+        expected = reference(IDS).logits
+        for _ in range(3):
+            torch.testing.assert_close(model(IDS).logits, expected)
+    assert len(seen) == 3 and seen[0] is seen[1] is seen[2]
+    assert type(seen[0]) is nn.Parameter and seen[0].device.type == "cpu"
+    assert model.get_submodule(Q).weight.is_meta  # between forwards: the placeholder
+    torch.testing.assert_close(seen[0], reference.get_submodule(Q).weight)
+
+
+def test_changes_made_in_a_forward_do_not_outlive_it(folder, tmp_path, reference, monkeypatch):
+    model = _dispatched(folder, tmp_path)
+    q = model.get_submodule(Q)
+    calls = []
+
+    def change(mod, args):
+        calls.append(1)
+        if len(calls) == 2:
+            mod.weight.data = torch.zeros_like(mod.weight)  # re-pointed
+        if len(calls) == 3:
+            mod.weight.requires_grad_(False)
+
+    q.register_forward_pre_hook(change)
+    seen = _held_weights(q, monkeypatch)
+    with torch.no_grad():
+        expected = reference(IDS).logits
+        model(IDS)
+        assert not torch.allclose(model(IDS).logits, expected)  # the zeroed weight is used in that forward
+        torch.testing.assert_close(model(IDS).logits, expected)  # and only there
+        torch.testing.assert_close(model(IDS).logits, expected)
+    assert not seen[3].requires_grad or seen[3] is not seen[2]
+    assert seen[3].requires_grad is q.weight.requires_grad  # as the placeholder says
+
+
+def test_model_wide_changes_reach_the_forward(folder, tmp_path, reference, monkeypatch):
+    model = _dispatched(folder, tmp_path)
+    q = model.get_submodule(Q)
+    seen = _held_weights(q, monkeypatch)
+    model.requires_grad_(False)
+    with torch.no_grad():
+        model(IDS)
+    model(IDS)  # recording gradients: a Parameter that requires none is put in again
+    assert seen[1] is seen[0] and not seen[1].requires_grad
+
+    with torch.no_grad():
+        model.to(torch.float64)
+        out = model(IDS).logits
+    assert seen[2].dtype == torch.float64 and out.dtype == torch.float64
+    torch.testing.assert_close(out, copy.deepcopy(reference).to(torch.float64)(IDS).logits.detach())
+    with torch.no_grad():
+        model.to(torch.float32)
+        model(IDS)
+        model(IDS)
+    assert seen[3].dtype == torch.float32 and seen[4] is seen[3]
+
+
+def test_gradients_never_outlive_their_forward(folder, tmp_path, reference, monkeypatch):
+    model = _dispatched(folder, tmp_path)
+    q = model.get_submodule(Q)
+    seen = _held_weights(q, monkeypatch)
+    with torch.no_grad():
+        model(IDS)
+    model(IDS).logits.sum().backward()  # recording: a new Parameter, never kept
+    assert seen[1] is not seen[0] and seen[1].requires_grad and seen[1].grad is not None
+    with torch.no_grad():
+        model(IDS)
+    assert seen[2].grad is None and seen[2] is not seen[1]
+
+
+def test_inference_mode_values_are_never_kept(folder, tmp_path, reference, monkeypatch):
+    model = _dispatched(folder, tmp_path)
+    model.requires_grad_(False)
+    seen = _held_weights(model.get_submodule(Q), monkeypatch)
+    with torch.inference_mode():
+        model(IDS)
+    embeds = model.get_input_embeddings()(IDS).detach().requires_grad_()
+    model(inputs_embeds=embeds).logits.sum().backward()  # an inference tensor here could not be saved for backward
+    assert not seen[1].is_inference() and embeds.grad is not None
+    with torch.inference_mode():  # a kept value may be used in inference mode, as a plain model's
+        torch.testing.assert_close(model(IDS).logits, reference(IDS).logits.detach())
+    assert seen[2] is seen[1]
+
+
+def test_weights_map_changes_reach_the_forward(folder, tmp_path, reference, monkeypatch):
+    model = _dispatched(folder, tmp_path)
+    q = model.get_submodule(Q)
+    with torch.no_grad():
+        model(IDS)
+        with align_module_device(q):
+            q.weight.mul_(2)  # stored in the weights map at the end of the context
+        out = model(IDS).logits
+    changed = copy.deepcopy(reference)
+    with torch.no_grad():
+        changed.get_submodule(Q).weight.mul_(2)
+        torch.testing.assert_close(out, changed(IDS).logits)
+
+    seen = []
+
+    class Recording(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(self.weight)
+            return super().forward(x)
+
+    linear = Recording(3, 2)
+    add_hook_to_module(linear, AlignDevicesHook("cpu", offload=True))
+    x = torch.ones(1, 3)
+    with torch.no_grad():
+        linear(x)
+        linear(x)
+        linear._hf_hook.weights_map["weight"] = torch.zeros(2, 3)  # a dict weights map: a new value
+        torch.testing.assert_close(linear(x), linear._hf_hook.weights_map["bias"].expand(1, 2))
+    assert seen[0] is seen[1] and seen[2] is not seen[1]
+
+
+def test_a_deep_copy_keeps_nothing(folder, tmp_path, reference, monkeypatch):
+    model = _dispatched(folder, tmp_path)
+    with torch.no_grad():
+        model(IDS)
+        clone = copy.deepcopy(model)
+        seen = _held_weights(model.get_submodule(Q), monkeypatch)
+        clone_seen = _held_weights(clone.get_submodule(Q), monkeypatch)
+        torch.testing.assert_close(clone(IDS).logits, reference(IDS).logits)
+        model(IDS)
+        clone(IDS)
+    assert clone_seen[0] is not seen[0] and clone_seen[1] is clone_seen[0]
+
+
+def test_a_member_load_that_raises_leaves_every_member_as_it_was(folder, tmp_path):
+    from bigmodel.hooks.forward import HookedForward
+
+    model = _dispatched(folder, tmp_path)
+    layer = model.get_submodule("model.layers.1")
+    v_proj = layer.self_attn.v_proj
+    v_proj._hf_hook.weights_map = {}  # its value cannot be read: the block's forward raises there
+    with torch.no_grad(), pytest.raises(KeyError):
+        model(IDS)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+        member = layer.get_submodule(name)
+        assert type(member.__dict__.get("forward")) is HookedForward, name  # its hooks run again outside
+        assert member.weight.is_meta, name  # the placeholder is back
