@@ -108,6 +108,7 @@ def _reference(folder: Path) -> torch.Tensor:
 def test_dispatch_reads_the_cold_resident_part_ahead_in_module_order_and_never_releases_it(
         folder, tmp_path, monkeypatch):  # fmt: skip
     monkeypatch.delenv(readahead.ENV, raising=False)
+    expected = _reference(folder)
     calls = Calls(monkeypatch)
     _drop(folder / "model.safetensors")
     model = _dispatch(folder, tmp_path)
@@ -127,13 +128,11 @@ def test_dispatch_reads_the_cold_resident_part_ahead_in_module_order_and_never_r
     prefetcher = loading_hook_of(model.get_submodule(DISK_LAYERS[0])).prefetcher
     prefetcher.readahead.available = 1  # the disk layers are released once used (streaming)
     with torch.no_grad():
-        expected = _reference(folder)
-        for layer in DISK_LAYERS:
-            _drop(folder / "model.safetensors")  # keep the disk part cold: reading ahead stays on
-            assert torch.equal(model(IDS).logits, expected), layer
-    _settle()
-    assert prefetcher.readahead.streaming and calls.released  # the disk layers were released ...
-    assert not any(span in resident for spans in calls.released for span in spans)  # ... never the resident part
+        assert torch.equal(model(IDS).logits, expected)
+        _settle()
+        assert prefetcher.readahead.streaming and calls.released  # the disk layers were released ...
+        assert not any(span in resident for spans in calls.released for span in spans)  # ... never the resident part
+        assert torch.equal(model(IDS).logits, expected)
 
 
 def test_a_warm_resident_part_or_reading_ahead_off_asks_for_nothing(folder, tmp_path, monkeypatch):
@@ -177,3 +176,32 @@ def test_read_resident_skips_anonymous_memory_and_stops_at_the_memory_bound(tmp_
     _settle()
     assert calls.need == [spans[:1]]
     assert torch.equal(second[:3], torch.arange(3, dtype=torch.float32))  # values unchanged
+
+
+def test_the_first_forward_reads_ahead_disk_layers_whose_shards_it_maps_itself(tmp_path, monkeypatch):
+    """A sharded checkpoint's disk layers: their files are first mapped when the first forward reads them."""
+    monkeypatch.delenv(readahead.ENV, raising=False)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder = tmp_path / "sharded"
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(str(folder), max_shard_size="20MB")
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) >= 4  # about one 16 MB layer per shard
+    expected = _reference(folder)
+    for shard in shards:
+        _drop(shard)
+    model = _dispatch(folder, tmp_path)
+    _settle()
+    calls = Calls(monkeypatch)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected)
+    _settle()
+    advised = {span for spans in calls.need for span in spans}
+    mappings = readahead.file_mappings()
+    for name in DISK_LAYERS:
+        hook = loading_hook_of(model.get_submodule(name))
+        spans = set(readahead.file_spans(hook.prefetcher.read(hook).values(), mappings))
+        assert spans and spans <= advised, name  # asked for during the first forward
