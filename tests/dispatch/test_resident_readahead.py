@@ -2,7 +2,7 @@
 
 ``load_checkpoint_and_dispatch`` leaves the CPU part of a map executed on the CPU as memory-mapped
 views of the checkpoint's files.  Cold, the first forward would fault them in page by page; instead
-they are handed to the read-ahead thread at dispatch, module by module (embeddings last), with
+they are read on a background thread from dispatch on, module by module (embeddings left out), with
 ``madvise(WILLNEED)``, and never released (they are what the CPU budget holds).  Counted here,
 never timed: the ``will_need`` and ``release`` calls are recorded, and ``mincore`` says what is in RAM.
 The pages a load itself brought in (the kernel's read-ahead of the header read, up to
@@ -22,7 +22,7 @@ from torch import nn
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks.align_hook import loading_hook_of
-from bigmodel.offload import readahead
+from bigmodel.offload import readahead, resident
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
@@ -31,8 +31,9 @@ CPU_LAYERS = ["model.layers.0", "model.layers.1"]
 DISK_LAYERS = ["model.layers.2", "model.layers.3"]
 MAP = {"model.embed_tokens": "cpu", **dict.fromkeys(CPU_LAYERS, "cpu"), **dict.fromkeys(DISK_LAYERS, "disk"),
        "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
-# Module order, embeddings last (rotary_emb holds no file-backed tensor).
-RESIDENT_ORDER = [*CPU_LAYERS, "model.norm", "lm_head", "model.embed_tokens"]
+# Module order (rotary_emb holds no file-backed tensor); the embedding is not read ahead (a forward reads rows).
+RESIDENT_ORDER = [*CPU_LAYERS, "model.norm", "lm_head"]
+PAGE = os.sysconf("SC_PAGE_SIZE")
 IDS = torch.tensor([[5, 6, 7, 8, 9]])
 
 
@@ -81,7 +82,12 @@ class Calls:
 
 
 def _settle() -> None:
+    resident._executor().submit(lambda: None).result()  # the resident part has been read
     readahead._executor().submit(lambda: None).result()  # what was queued has been handed to the kernel
+
+
+def _pages(spans) -> set[int]:
+    return {page for address, length in spans for page in range(address // PAGE, (address + length) // PAGE)}
 
 
 def _dispatch(folder: Path, tmp_path: Path) -> nn.Module:
@@ -114,24 +120,22 @@ def test_dispatch_reads_the_cold_resident_part_ahead_in_module_order_and_never_r
     model = _dispatch(folder, tmp_path)
     _settle()
     spans_of = _resident_spans(model)
-    owner = {span: name for name, spans in spans_of.items() for span in spans}
-    advised = [owner[span] for spans in calls.need for span in spans if span in owner]
+    owner = {page: name for name, spans in spans_of.items() for page in _pages(spans)}
+    advised = [owner[address // PAGE] for spans in calls.need for address, _ in spans if address // PAGE in owner]
     in_order = [name for k, name in enumerate(advised) if k == 0 or advised[k - 1] != name]
-    assert in_order == [name for name in RESIDENT_ORDER if name in advised]  # module order, embeddings last
+    assert in_order == [name for name in RESIDENT_ORDER if name in advised]  # module order
     assert {"model.layers.1", "model.norm"} <= set(in_order)  # cold (the load's header read brings in <= 8 MB)
-    resident = set().union(*spans_of.values())
-    for _ in range(200):  # the reads are asynchronous: wait for them (up to 2 s)
-        if readahead.resident(resident):
-            break
-        time.sleep(0.01)
-    assert readahead.resident(resident)  # before any forward
+    embedding = _pages(readahead.file_spans([model.model.embed_tokens.weight], readahead.file_mappings()))
+    assert embedding and not embedding & _pages(s for spans in calls.need for s in spans)
+    in_ram = set().union(*spans_of.values())
+    assert readahead.resident(in_ram)  # before any forward: the read waits for its last pieces
     prefetcher = loading_hook_of(model.get_submodule(DISK_LAYERS[0])).prefetcher
     prefetcher.readahead.available = 1  # the disk layers are released once used (streaming)
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, expected)
         _settle()
         assert prefetcher.readahead.streaming and calls.released  # the disk layers were released ...
-        assert not any(span in resident for spans in calls.released for span in spans)  # ... never the resident part
+        assert not any(span in in_ram for spans in calls.released for span in spans)  # ... never the resident part
         assert torch.equal(model(IDS).logits, expected)
 
 
@@ -147,8 +151,8 @@ def test_a_warm_resident_part_or_reading_ahead_off_asks_for_nothing(folder, tmp_
         tensor.sum()  # every resident page in RAM
     model = _dispatch(folder, tmp_path)
     _settle()
-    resident = set().union(*_resident_spans(model).values())
-    assert not any(span in resident for spans in calls.need for span in spans)
+    in_ram = _pages(set().union(*_resident_spans(model).values()))
+    assert not in_ram & _pages(s for spans in calls.need for s in spans)
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, _reference(folder))
 
@@ -159,23 +163,31 @@ def _memmap(path: Path, mib: int) -> torch.Tensor:
     return torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r+"))
 
 
-def test_read_resident_skips_anonymous_memory_and_stops_at_the_memory_bound(tmp_path, monkeypatch):
+def test_read_resident_reads_in_order_skips_anonymous_memory_and_stops_at_the_memory_bound(tmp_path, monkeypatch):
     monkeypatch.delenv(readahead.ENV, raising=False)
     calls = Calls(monkeypatch)
     first, second = _memmap(tmp_path / "a.bin", 4), _memmap(tmp_path / "b.bin", 4)
     groups = [[torch.ones(2**20)], [first], [second]]
-    assert readahead.read_resident(groups, available=2**40) == first.nbytes + second.nbytes
-    _settle()
+    resident.read_resident(groups, available=2**40).result()
     spans = readahead.file_spans([first, second], readahead.file_mappings())
-    assert calls.need == [spans[:1], spans[1:]]  # in order; the anonymous tensor is not advised
+    advised = [piece for pieces in calls.need for piece in pieces]
+    assert advised == readahead.pieces(spans[0]) + readahead.pieces(spans[1])  # in order; not the anonymous tensor
+    assert readahead.resident(spans)
     calls.need.clear()
+    readahead.release(spans)  # the read left them mapped: unmap, then drop
     _drop(tmp_path / "a.bin")
     _drop(tmp_path / "b.bin")
+    assert not readahead.resident(spans[:1]) and not readahead.resident(spans[1:])
     bound = (first.nbytes + second.nbytes // 2) / readahead.STREAM_FRACTION
-    assert readahead.read_resident(groups, available=int(bound)) == first.nbytes  # the second would not fit
-    _settle()
-    assert calls.need == [spans[:1]]
-    assert torch.equal(second[:3], torch.arange(3, dtype=torch.float32))  # values unchanged
+    resident.read_resident(groups, available=int(bound)).result()  # the second would not fit
+    assert [piece for pieces in calls.need for piece in pieces] == readahead.pieces(spans[0])
+    monkeypatch.setenv(readahead.ENV, "0")
+    assert resident.read_resident(groups, available=2**40) is None  # reading ahead off
+    monkeypatch.delenv(readahead.ENV)
+    resident.read_resident(groups, available=2**40).result()
+    assert readahead.resident(spans)
+    assert resident.read_resident(groups, available=2**40) is None  # all in RAM: nothing to read
+    assert torch.equal(second[-3:], torch.arange(2**20 - 3, 2**20, dtype=torch.float32))  # values unchanged
 
 
 def test_the_first_forward_reads_ahead_disk_layers_whose_shards_it_maps_itself(tmp_path, monkeypatch):

@@ -184,19 +184,24 @@ def resident(spans: Iterable[Span]) -> bool:
     return True
 
 
+def pieces(span: Span) -> list[Span]:
+    """``span`` cut into the pieces one ``madvise(MADV_WILLNEED)`` reads whole (see :func:`advice_bytes`)."""
+    address, length = span
+    mappings = _ADVICE_SPANS
+    i = bisect.bisect_right(mappings, (address, float("inf"), 0)) - 1
+    step = mappings[i][2] if i >= 0 and address < mappings[i][1] else MIN_ADVICE_BYTES
+    return [(address + offset, min(step, length - offset)) for offset in range(0, length, step)]
+
+
 def will_need(spans: Iterable[Span]) -> None:
     """Ask the kernel to read the spans into the page cache now (asynchronous reads; returns at once).
 
     One advice per :func:`advice_bytes` of a span (the kernel reads no more per call: a whole
     tensor in one call would have only its first megabytes read).
     """
-    mappings = _ADVICE_SPANS
-    starts = [lo for lo, _, _ in mappings]
-    for address, length in spans:
-        i = bisect.bisect_right(starts, address) - 1
-        step = mappings[i][2] if i >= 0 and address < mappings[i][1] else MIN_ADVICE_BYTES
-        for offset in range(0, length, step):
-            _LIBC.madvise(ctypes.c_void_p(address + offset), min(step, length - offset), MADV_WILLNEED)
+    for span in spans:
+        for address, length in pieces(span):
+            _LIBC.madvise(ctypes.c_void_p(address), length, MADV_WILLNEED)
 
 
 def release(spans: Iterable[Span]) -> None:
@@ -204,48 +209,6 @@ def release(spans: Iterable[Span]) -> None:
     for address, length in spans:
         if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_PAGEOUT) != 0:
             _LIBC.madvise(ctypes.c_void_p(address), length, MADV_COLD)
-
-
-def read_resident(groups: Iterable[Iterable[torch.Tensor]], available: int | None = None) -> int:
-    """Read the file-backed pages of weights meant to stay in RAM into the page cache, in order, in the background.
-
-    A dispatched model's CPU part (``"cpu"`` in a device map executed on the CPU) is made of
-    memory-mapped views of its checkpoint's files: untouched, the first forward would fault them in
-    4 KiB at a time.  Here each group's spans get ``madvise(MADV_WILLNEED)`` on the read-ahead
-    thread, group after group (large sequential reads, ahead of the forward).  They are never
-    released: these pages are what the CPU budget holds.  Groups whose first and last pages are in
-    RAM already are skipped; reading stops before the bytes asked for exceed ``STREAM_FRACTION``
-    of the available memory (a CPU part larger than RAM is left to page faults).  A hint only:
-    nothing is read into anonymous memory and no value changes.
-
-    Args:
-        groups: the tensors of each module, in execution order (non-CPU, non-contiguous and
-            anonymous tensors are skipped).
-        available: available memory in bytes (default: ``MemAvailable`` now).
-
-    Returns:
-        Bytes asked for (0 when nothing is file-backed and cold, or reading ahead is off).
-    """
-    if not supported() or os.environ.get(ENV, "1").strip() == "0":
-        return 0
-    mappings, seen, todo = file_mappings(), set(), []
-    for tensors in groups:
-        spans = [span for span in file_spans(tensors, mappings) if span not in seen]
-        seen.update(spans)
-        if spans and not resident(spans):
-            todo.append(spans)
-    limit = STREAM_FRACTION * (available if available is not None else available_memory())
-    total, jobs = 0, []
-    for spans in todo:
-        size = sum(length for _, length in spans)
-        if total + size > limit:
-            break
-        total += size
-        jobs.append((will_need, spans))
-    if jobs:
-        logger.debug("Reading %.2f GB of resident weights ahead in %d modules", total / 1e9, len(jobs))
-        _executor().submit(_run, jobs)
-    return total
 
 
 def available_memory() -> int:
