@@ -12,7 +12,6 @@ The pages a load itself brought in (the kernel's read-ahead of the header read, 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import numpy as np
