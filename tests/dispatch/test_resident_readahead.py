@@ -216,3 +216,11 @@ def test_the_first_forward_reads_ahead_disk_layers_whose_shards_it_maps_itself(t
         hook = loading_hook_of(model.get_submodule(name))
         spans = set(readahead.file_spans(hook.prefetcher.read(hook).values(), mappings))
         assert spans and spans <= advised, name  # asked for during the first forward
+
+
+def test_weights_dropped_during_the_read_stay_mapped_until_it_ends(tmp_path, monkeypatch):
+    monkeypatch.delenv(readahead.ENV, raising=False)
+    groups = [[_memmap(tmp_path / f"{i}.bin", 16)] for i in range(4)]
+    future = resident.read_resident(groups, available=2**40)
+    del groups  # the only references to the mapped arrays: they are unmapped once the read lets go of them
+    future.result()  # no fault on an unmapped page

@@ -61,28 +61,31 @@ def read_resident(groups: Iterable[Iterable[torch.Tensor]], available: int | Non
         return None
     mappings, seen, todo = readahead.file_mappings(), set(), []
     for tensors in groups:
+        tensors = list(tensors)
         spans = [span for span in readahead.file_spans(tensors, mappings) if span not in seen]
         seen.update(spans)
         if spans and not readahead.resident(spans):
-            todo.append(spans)
+            todo.append((spans, tensors))
     limit = readahead.STREAM_FRACTION * (available if available is not None else readahead.available_memory())
-    total, jobs = 0, []
-    for spans in todo:
+    total, jobs, keep = 0, [], []
+    for spans, tensors in todo:
         size = sum(length for _, length in spans)
         if total + size > limit:
             break
         total += size
         jobs.extend(spans)
+        keep.extend(tensors)
     if not jobs:
         return None
     logger.debug("Reading %.2f GB of weights kept in RAM ahead", total / 1e9)
-    return _executor().submit(_read_in_order, jobs, WINDOW_BYTES)
+    return _executor().submit(_read_in_order, jobs, WINDOW_BYTES, keep)
 
 
-def _read_in_order(spans: list[Span], window: int) -> None:
+def _read_in_order(spans: list[Span], window: int, keep: list[torch.Tensor]) -> None:
     """Advise the spans' pieces in order, waiting for the oldest to arrive while ``window`` bytes are in flight.
 
-    Returns when every page has arrived (and is mapped: the forward takes no page fault on it)."""
+    ``keep`` holds the tensors (hence their file mappings) while their pages are read.  Returns
+    when every page has arrived (and is mapped: the forward takes no page fault on it)."""
     in_flight: collections.deque[Span] = collections.deque()
     waiting = 0
     for span in spans:
