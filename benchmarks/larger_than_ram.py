@@ -21,6 +21,9 @@ What it does, in one run:
    after an 8-token prompt, recording tokens/s, time to first token, bytes read from storage
    (``/proc/self/io`` ``read_bytes``) per token and per second, and the peak anonymous RSS
    (sampled ``/proc/self/statm``) counted from before the model was built, against the budget.
+   The table also gives time to first token against two floors: the disk layers' bytes, and all
+   of the checkpoint's bytes, each divided by the cold sequential read rate of step 3 (the CPU
+   part is zero-copy mapped too, so a cold first forward reads it from storage as well).
 5. Prints a markdown table, writes ``.bench-cache/larger_than_ram.json``, deletes the checkpoint
    (``--keep`` keeps it) and every offload folder.
 """
