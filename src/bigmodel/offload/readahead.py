@@ -4,7 +4,8 @@ Offloaded values backed by files (safetensors entries, ``.dat`` files of an offl
 are memory-mapped views.  Read through page faults, a cold view is read in small,
 one-at-a-time requests.  :class:`ReadAhead` instead tells the kernel, for exactly the byte
 ranges of the modules about to run, that they are needed (``madvise(MADV_WILLNEED)``: the
-kernel queues large reads of the whole range at once and returns), a bounded number of bytes
+kernel queues large reads and returns; one call per ``read_ahead_kb`` of the device, the most
+the kernel reads for one call, see :func:`advice_bytes`), a bounded number of bytes
 ahead of the module running now (``window`` bytes: page cache used by reads ahead stays
 bounded).  When the offloaded bytes exceed what the page cache can hold, a module's ranges are
 released once it has run (``madvise(MADV_PAGEOUT)``, else ``MADV_COLD``: clean file pages are
