@@ -91,3 +91,25 @@ def test_readahead_of_a_disk_offloaded_model_starts_when_its_weights_are_cold(tm
 def test_readahead_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(readahead.ENV, "0")
     assert not readahead.ReadAhead(lambda hook: {}).enabled
+
+
+def test_will_need_reads_all_of_a_span_longer_than_one_advice_reads(tmp_path):
+    # The kernel reads at most the device's read-ahead size (read_ahead_kb) per WILLNEED call.
+    path = str(tmp_path / "long.safetensors")
+    device = os.stat(tmp_path).st_dev
+    step = readahead.advice_bytes(f"{os.major(device):x}:{os.minor(device):x}")
+    if step > 32 << 20:
+        pytest.skip(f"read_ahead_kb of {tmp_path}'s device is {step >> 10}: the file would be too large")
+    save_file({"w": torch.arange(3 * step // 4 + 1000, dtype=torch.float32)}, path)
+    _drop(path)
+    index = {"w": {"safetensors_file": path, "weight_name": "w", "dtype": "float32", "shape": [3 * step // 4 + 1000]}}
+    mapped = OffloadedWeightsLoader(index=index)["w"]
+    spans = readahead.file_spans([mapped], readahead.file_mappings())
+    assert spans[0][1] > 2 * step
+    readahead.will_need(spans)
+    for _ in range(300):  # the reads are asynchronous: wait for them (up to 3 s)
+        if readahead.resident(spans):  # its first and last pages
+            break
+        time.sleep(0.01)
+    assert readahead.resident(spans)
+    assert torch.equal(mapped[-3:], torch.arange(3 * step // 4 + 997, 3 * step // 4 + 1000, dtype=torch.float32))

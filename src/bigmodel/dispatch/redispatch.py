@@ -21,6 +21,7 @@ from ..hooks.align_hook import has_offloaded_params
 from ..hooks.forward import ModuleBound
 from ..hooks.placeholders import placeholders_stay_meta
 from ..hooks.registry import TIED_PARAMS, patch_attribute, remove_hook_from_submodules
+from ..offload.resident import read_resident
 from ..transfer.copies import DeviceStager
 from .prefetch import enable_prefetch
 
@@ -111,8 +112,19 @@ def _runs_on_accelerator(device: DeviceSpec | None) -> bool:
 
 
 def _enable_prefetch(model: nn.Module, device: DeviceSpec) -> None:
-    """Prefetch for ``model``'s offloading hooks, staging to the device when it is an accelerator."""
-    enable_prefetch(model, stage=DeviceStager() if _runs_on_accelerator(device) else None)
+    """Prefetch for ``model``'s offloading hooks, staging to the device when it is an accelerator.
+
+    On the CPU, the file-backed weights the model holds in place (a device map's ``"cpu"`` part:
+    views of the checkpoint's mapped files) are read into the page cache in the background, in
+    module order (:func:`~bigmodel.offload.resident.read_resident`), so that the first forward
+    finds them read sequentially rather than faulting them in one read at a time.  Embeddings are
+    left out: a forward reads only the rows of its tokens (a weight tied to a head is read for it).
+    """
+    accelerator = _runs_on_accelerator(device)
+    prefetcher = enable_prefetch(model, stage=DeviceStager() if accelerator else None)
+    if prefetcher is not None and not accelerator:
+        read_resident([*module.parameters(recurse=False), *module.buffers(recurse=False)]
+                      for module in model.modules() if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)))
 
 
 def _is_dispatched(model: nn.Module) -> bool:

@@ -4,7 +4,8 @@ Offloaded values backed by files (safetensors entries, ``.dat`` files of an offl
 are memory-mapped views.  Read through page faults, a cold view is read in small,
 one-at-a-time requests.  :class:`ReadAhead` instead tells the kernel, for exactly the byte
 ranges of the modules about to run, that they are needed (``madvise(MADV_WILLNEED)``: the
-kernel queues large reads of the whole range at once and returns), a bounded number of bytes
+kernel queues large reads and returns; one call per ``read_ahead_kb`` of the device, the most
+the kernel reads for one call, see :func:`advice_bytes`), a bounded number of bytes
 ahead of the module running now (``window`` bytes: page cache used by reads ahead stays
 bounded).  When the offloaded bytes exceed what the page cache can hold, a module's ranges are
 released once it has run (``madvise(MADV_PAGEOUT)``, else ``MADV_COLD``: clean file pages are
@@ -46,6 +47,7 @@ PROBES = 8  # modules whose first pages are checked at the start of each forward
 RETAIN_FRACTION = 0.5  # of the available memory, for the prefix kept cached between forwards
 STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory: release after use
 _SAMPLE_PAGES = 16
+MIN_ADVICE_BYTES = 128 << 10  # one WILLNEED per this many bytes where the device's read-ahead size is unknown
 
 Span = tuple[int, int]  # (page-aligned address, length in bytes)
 
@@ -63,6 +65,8 @@ def _load_libc() -> Any:
 _LIBC = _load_libc()
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _EXECUTOR: ThreadPoolExecutor | None = None
+_ADVICE_BYTES: dict[str, int] = {}  # device ("fe:01") -> bytes one WILLNEED reads at most
+_ADVICE_SPANS: list[tuple[int, int, int]] = []  # (start, end, advice bytes) of the file mappings last listed
 _EXECUTOR_LOCK = threading.Lock()
 
 
@@ -79,9 +83,40 @@ def supported() -> bool:
     return _LIBC is not None and os.path.exists("/proc/self/maps")
 
 
+def advice_bytes(device: str) -> int:
+    """Bytes one ``madvise(MADV_WILLNEED)`` reads at most from files on ``device`` (``"fe:01"``, hex).
+
+    The kernel reads at most the device's read-ahead size per call (``read_ahead_kb``; more only
+    up to its largest request, ``max_sectors_kb``): :func:`will_need` splits longer spans into
+    pieces of this size.  ``MIN_ADVICE_BYTES`` where sysfs does not say.
+    """
+    known = _ADVICE_BYTES.get(device)
+    if known is not None:
+        return known
+    found = MIN_ADVICE_BYTES
+    try:
+        number = ":".join(str(int(part, 16)) for part in device.split(":"))
+    except ValueError:
+        number = ""
+    queues = [f"/sys/dev/block/{number}/queue", f"/sys/dev/block/{number}/../queue"]  # a disk, a partition
+    for path in [f"{queue}/read_ahead_kb" for queue in queues] + [f"/sys/class/bdi/{number}/read_ahead_kb"]:
+        try:
+            with open(path) as f:
+                found = max(MIN_ADVICE_BYTES, int(f.read()) << 10)
+            break
+        except (OSError, ValueError):
+            continue
+    _ADVICE_BYTES[device] = found
+    return found
+
+
 def file_mappings() -> list[tuple[int, int]]:
-    """Sorted (start, end) addresses of this process's mappings of regular files (from ``/proc/self/maps``)."""
-    spans = []
+    """Sorted (start, end) addresses of this process's mappings of regular files (from ``/proc/self/maps``).
+
+    Also notes, for :func:`will_need`, how many bytes one advice reads on each mapping's device.
+    """
+    global _ADVICE_SPANS
+    spans, advice = [], []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
@@ -89,7 +124,10 @@ def file_mappings() -> list[tuple[int, int]]:
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             spans.append((lo, hi))
+            advice.append((lo, hi, advice_bytes(parts[3])))
     spans.sort()
+    advice.sort()
+    _ADVICE_SPANS = advice
     return spans
 
 
@@ -147,10 +185,24 @@ def resident(spans: Iterable[Span]) -> bool:
     return True
 
 
+def pieces(span: Span) -> list[Span]:
+    """``span`` cut into the pieces one ``madvise(MADV_WILLNEED)`` reads whole (see :func:`advice_bytes`)."""
+    address, length = span
+    mappings = _ADVICE_SPANS
+    i = bisect.bisect_right(mappings, (address, float("inf"), 0)) - 1
+    step = mappings[i][2] if i >= 0 and address < mappings[i][1] else MIN_ADVICE_BYTES
+    return [(address + offset, min(step, length - offset)) for offset in range(0, length, step)]
+
+
 def will_need(spans: Iterable[Span]) -> None:
-    """Ask the kernel to read the spans into the page cache now (asynchronous reads; returns at once)."""
-    for address, length in spans:
-        _LIBC.madvise(ctypes.c_void_p(address), length, MADV_WILLNEED)
+    """Ask the kernel to read the spans into the page cache now (asynchronous reads; returns at once).
+
+    One advice per :func:`advice_bytes` of a span (the kernel reads no more per call: a whole
+    tensor in one call would have only its first megabytes read).
+    """
+    for span in spans:
+        for address, length in pieces(span):
+            _LIBC.madvise(ctypes.c_void_p(address), length, MADV_WILLNEED)
 
 
 def release(spans: Iterable[Span]) -> None:
@@ -252,12 +304,9 @@ class ReadAhead:
             self._plan()
 
     def _learn(self, order: Sequence[Any]) -> None:
-        mappings = file_mappings()
-        self._spans = []
-        for ref in order:
-            hook = ref()
-            values = self.read(hook) if hook is not None else {}
-            self._spans.append(file_spans(values.values(), mappings))
+        values = [self.read(hook) if (hook := ref()) is not None else {} for ref in order]
+        mappings = file_mappings()  # after the reads: they map the files not mapped yet (lazily opened shards)
+        self._spans = [file_spans(tensors.values(), mappings) for tensors in values]
         self._bytes = [sum(length for _, length in spans) for spans in self._spans]
         with_bytes = [i for i, size in enumerate(self._bytes) if size]
         self._probes = with_bytes[:: max(1, len(with_bytes) // PROBES)]
