@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.workers import worker
 from ..offload.pages import MINCORE as _MINCORE  # noqa: F401  (tests ask whether mincore exists)
 from ..offload.pages import pages_resident, touch_pages
 from ..offload.quantized_store import read_offloaded
@@ -66,16 +67,8 @@ MAX_SMALL_AHEAD = 16  # below-threshold modules staged between two large ones (s
 
 StageFn = Callable[..., Any]
 
-_EXECUTOR: ThreadPoolExecutor | None = None
-_EXECUTOR_LOCK = threading.Lock()
-
-
 def _executor() -> ThreadPoolExecutor:
-    global _EXECUTOR
-    with _EXECUTOR_LOCK:
-        if _EXECUTOR is None:
-            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigmodel-prefetch")
-        return _EXECUTOR
+    return worker("bigmodel-prefetch")
 
 
 def stage(values: dict[str, torch.Tensor], device: torch.device | None) -> dict[str, torch.Tensor]:

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ..core.workers import worker
+
 logger = logging.getLogger(__name__)
 
 ENV = "BIGMODEL_READAHEAD"  # "0" turns reading ahead from storage off
@@ -64,18 +66,12 @@ def _load_libc() -> Any:
 
 _LIBC = _load_libc()
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_EXECUTOR: ThreadPoolExecutor | None = None
 _ADVICE_BYTES: dict[str, int] = {}  # device ("fe:01") -> bytes one WILLNEED reads at most
 _ADVICE_SPANS: list[tuple[int, int, int]] = []  # (start, end, advice bytes) of the file mappings last listed
-_EXECUTOR_LOCK = threading.Lock()
 
 
 def _executor() -> ThreadPoolExecutor:
-    global _EXECUTOR
-    with _EXECUTOR_LOCK:
-        if _EXECUTOR is None:
-            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigmodel-readahead")
-        return _EXECUTOR
+    return worker("bigmodel-readahead")
 
 
 def supported() -> bool:

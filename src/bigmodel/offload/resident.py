@@ -16,12 +16,12 @@ import collections
 import ctypes
 import logging
 import os
-import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..core.workers import worker
 from . import readahead
 from .readahead import Span
 
@@ -29,16 +29,10 @@ logger = logging.getLogger(__name__)
 
 WINDOW_BYTES = 64 << 20  # bytes asked for and not yet read, at most
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_EXECUTOR: ThreadPoolExecutor | None = None
-_EXECUTOR_LOCK = threading.Lock()
 
 
 def _executor() -> ThreadPoolExecutor:
-    global _EXECUTOR
-    with _EXECUTOR_LOCK:
-        if _EXECUTOR is None:
-            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigmodel-resident")
-        return _EXECUTOR
+    return worker("bigmodel-resident")
 
 
 def read_resident(groups: Iterable[Iterable[torch.Tensor]], available: int | None = None) -> Future | None:
