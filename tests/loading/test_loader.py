@@ -339,8 +339,24 @@ def test_bad_dtype_and_device_raise_before_loading(tmp_path):
         load_checkpoint_in_model(model, path, device_map={"": "cpu"}, dtype="int8")
     with pytest.raises(ValueError, match="is not a device spec"):
         load_checkpoint_in_model(model, path, device_map={"": "cpu", "blocks.1": "gpu!"})
-    with pytest.raises(KeyError, match="not covered by the device map"):
+    with pytest.raises(KeyError, match="gives no device to"):
         load_checkpoint_in_model(model, path, device_map={"blocks": "cpu"})
+    assert _all_meta(model)
+
+
+def test_a_module_missing_from_the_map_is_a_value_error_naming_every_tensor(tmp_path):
+    """accelerate raises ValueError for a tensor without a device; code catches that (found by a
+    fresh-clone trial: bigmodel raised a bare KeyError naming one tensor)."""
+    path = _save(tmp_path / "ckpt", _state(), "safetensors")
+    model = _meta_net()
+    uncovered = sorted(name for name in model.state_dict() if not name.startswith("blocks."))
+    assert uncovered  # the map below leaves them out
+    with pytest.raises(ValueError) as caught:
+        load_checkpoint_in_model(model, path, device_map={"blocks": "cpu"})
+    assert isinstance(caught.value, KeyError)  # what it raised before, still caught as such
+    message = str(caught.value)
+    assert f"no device to {len(uncovered)} tensors of {type(model).__name__}" in message
+    assert all(name in message for name in uncovered) and "Add them" in message
     assert _all_meta(model)
 
 

@@ -38,6 +38,7 @@ from ..core.devices import DeviceSpec
 from ..core.progress import ByteProgress
 from ..core.sizes import floating_dtype
 from ..core.tensors import (
+    check_covered,
     device_of,
     find_tied_parameters,
     hold_meta_placeholder,
@@ -222,10 +223,13 @@ def _make_plan(
     unexpected = sorted(set(infos) - set(expected))
     report_keys(missing, unexpected, strict)
     check_shapes(expected, infos, plan.aliases)
-    for name, tensor in expected.items():
-        source = infos.get(name) or next((infos[k] for k, v in plan.aliases.items() if name in v), None)
-        if source is None:
-            continue
+    sourced = {name: infos.get(name) or next((infos[k] for k, v in plan.aliases.items() if name in v), None)
+               for name in expected}
+    sourced = {name: source for name, source in sourced.items() if source is not None}
+    if device_map is not None:  # every tensor to place is named at once, before anything is placed
+        check_covered(sourced, device_map, type(model).__name__)
+    for name, source in sourced.items():
+        tensor = expected[name]
         device = _device_for(name, tensor, device_map, buffers, offload_buffers)
         held = _dtype_for(name, tensor, source, "memory", dtype, keep_in_fp32)
         stored = held if device != "disk" else _dtype_for(name, tensor, source, device, dtype, keep_in_fp32)
