@@ -205,3 +205,27 @@ def test_a_member_load_that_raises_leaves_every_member_as_it_was(folder, tmp_pat
         member = layer.get_submodule(name)
         assert type(member.__dict__.get("forward")) is HookedForward, name  # its hooks run again outside
         assert member.weight.is_meta, name  # the placeholder is back
+
+
+def test_a_changed_execution_device_is_used(monkeypatch):
+    # accelerate puts the weights map's value on hook.execution_device at each forward: a kept CPU value
+    # must not be put in once the hook computes elsewhere ("meta" stands in for an accelerator here).
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 3)
+    expected_weight = linear.weight.detach().clone()
+    seen = _held_weights(linear, monkeypatch)
+    add_hook_to_module(linear, AlignDevicesHook(execution_device="cpu", offload=True))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = linear(x)
+        linear(x)
+        linear._hf_hook.execution_device = "meta"
+        assert linear(x).device.type == "meta"
+        assert seen[-1].device.type == "meta"
+        with align_module_device(linear, "meta"):  # a forward inside the context computes where it says
+            assert linear(x).device.type == "meta"
+        linear._hf_hook.execution_device = "cpu"
+        torch.testing.assert_close(linear(x), expected)
+        torch.testing.assert_close(linear(x), expected)
+    torch.testing.assert_close(seen[-1], expected_weight)
+    assert seen[-1] is seen[-2]  # kept again once it computes on the CPU again

@@ -7,6 +7,8 @@ is then most of the hook's work.  The hook keeps the Parameter (or buffer) it bu
 same object in at the next forward, as a plain model holds the same Parameter at every forward,
 while everything the value is built from is unchanged:
 
+- the hook's execution device is the one the value was built for (``hook.execution_device`` may be
+  reassigned, as ``align_module_device`` does: a load then puts the value there);
 - the weights map holds the same value: the same object in a dict, the same mapped view (or
   in-memory entry) of an ``OffloadedWeightsLoader`` (asked with
   :func:`bigmodel.offload.storage.value_token_getter`; any other map: nothing is kept);
@@ -53,6 +55,7 @@ class KeptValues(dict):
     """Name → :class:`Kept` of one hook; any copy of it is empty (a copied hook builds its own values)."""
 
     source: tuple[Any, TokenSource | None] | None = None  # (the weights map, value_token_getter of it)
+    device: torch.device | None = None  # the hook's execution device the values were built for
 
     def __deepcopy__(self, memo: dict) -> KeptValues:
         return KeptValues()
@@ -72,8 +75,10 @@ def token_source(hook: Any, values: Any) -> TokenSource | None:
         return None
     weights_map = hook.weights_map
     cached = kept.source
-    if cached is None or cached[0] is not weights_map:  # another map: nothing kept from the old one is current
-        kept.clear()
+    device = hook.device
+    if cached is None or cached[0] is not weights_map or kept.device != device:
+        kept.clear()  # another map or device: nothing kept from the old one is current
+        kept.device = device
         cached = kept.source = (weights_map, value_token_getter(weights_map))  # type: ignore[arg-type]
     return cached[1]
 
@@ -125,8 +130,8 @@ def put_in_all_kept(hook: Any, module: nn.Module, grad: bool) -> bool:
         return True
     kept = hook.__dict__.get("_kept")
     cached = kept.source if kept else None
-    if cached is None or cached[0] is not hook.weights_map or cached[1] is None:
-        return False  # a load asks the (new) weights map how to tell
+    if cached is None or cached[0] is not hook.weights_map or cached[1] is None or kept.device != hook.device:
+        return False  # a load asks the (new) weights map how to tell, or loads for the new device
     get, tied_map = cached[1][0], hook.tied_params_map
     with torch._C.DisableTorchFunctionSubclass():
         for name, slot in slots.items():
