@@ -229,3 +229,23 @@ def test_a_changed_execution_device_is_used(monkeypatch):
         torch.testing.assert_close(linear(x), expected)
     torch.testing.assert_close(seen[-1], expected_weight)
     assert seen[-1] is seen[-2]  # kept again once it computes on the CPU again
+
+
+def test_a_weights_map_value_changed_in_place_in_shape_or_strides_is_used():
+    # The dict entry stays the same object viewing the same memory, but in-place metadata ops change
+    # what it holds: accelerate reads the entry at each forward, so the change reaches the forward.
+    torch.manual_seed(0)
+    linear, plain = nn.Linear(4, 4), nn.Linear(4, 4)
+    plain.load_state_dict(linear.state_dict())
+    add_hook_to_module(linear, AlignDevicesHook("cpu", offload=True))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        linear(x)
+        linear(x)
+        linear._hf_hook.weights_map["weight"].t_()
+        plain.weight.t_()
+        torch.testing.assert_close(linear(x), plain(x))
+        torch.testing.assert_close(linear(x), plain(x))
+        linear._hf_hook.weights_map["bias"].unsqueeze_(0)
+        plain.bias.unsqueeze_(0)
+        torch.testing.assert_close(linear(x), plain(x))

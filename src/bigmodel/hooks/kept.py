@@ -10,7 +10,8 @@ while everything the value is built from is unchanged:
 - the hook's execution device is the one the value was built for (``hook.execution_device`` may be
   reassigned, as ``align_module_device`` does: a load then puts the value there);
 - the weights map holds the same value: the same object in a dict, the same mapped view (or
-  in-memory entry) of an ``OffloadedWeightsLoader`` (asked with
+  in-memory entry) of an ``OffloadedWeightsLoader``, with the same version counter (an in-place op
+  on it, such as ``t_()`` or ``resize_``, may change its shape or strides over the same memory) (asked with
   :func:`bigmodel.offload.storage.value_token_getter`; any other map: nothing is kept);
 - the placeholder has the same dtype and ``requires_grad`` (``model.to(dtype)``,
   ``requires_grad_`` act on it), and the slot rounds nothing (layerwise casting);
@@ -41,11 +42,13 @@ TokenSource = tuple[Callable[[str], Any], str]  # (get, prefix): get(prefix + na
 class Kept:
     """A value put in at an earlier forward, and what it was built from."""
 
-    __slots__ = ("dtype", "key", "loaded", "loaded_requires_grad", "pointer", "requires_grad", "simple", "token")
+    __slots__ = ("dtype", "key", "loaded", "loaded_requires_grad", "pointer", "requires_grad", "simple", "token",
+                 "version")
 
     def __init__(self, token: Any, key: str, pointer: int, placeholder: torch.Tensor, loaded: torch.Tensor,
                  simple: bool) -> None:
         self.token, self.key, self.pointer, self.loaded = token, key, pointer, loaded
+        self.version = token._version  # bumped by any in-place op on the value (metadata ones included)
         self.dtype, self.requires_grad = placeholder.dtype, placeholder.requires_grad  # the placeholder's
         self.loaded_requires_grad = loaded.requires_grad
         self.simple = simple  # a Parameter of the hook's module itself (not of a submodule)
@@ -172,6 +175,7 @@ def _current(entry: Kept, slot: Slot, token: Any, grad: bool) -> bool:
     placeholder, loaded = slot.placeholder, entry.loaded
     return (
         token is entry.token
+        and token._version == entry.version
         and placeholder.dtype is entry.dtype
         and placeholder.requires_grad is entry.requires_grad
         and slot.round_to is None
