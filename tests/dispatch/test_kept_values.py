@@ -249,3 +249,23 @@ def test_a_weights_map_value_changed_in_place_in_shape_or_strides_is_used():
         linear._hf_hook.weights_map["bias"].unsqueeze_(0)
         plain.bias.unsqueeze_(0)
         torch.testing.assert_close(linear(x), plain(x))
+
+
+def test_set_module_tensor_to_device_on_an_offloaded_tensor(folder, tmp_path, reference):
+    # accelerate's set_module_tensor_to_device puts the value in the module's slot (a plain Parameter);
+    # its hook puts the weights map's value in at the next forward.  It used to raise a TypeError here
+    # (the placeholder's class was rebuilt with its hook reference as a keyword).
+    from bigmodel.utils import set_module_tensor_to_device
+
+    model = _dispatched(folder, tmp_path)
+    name = f"{Q}.weight"
+    new = torch.randn_like(reference.get_parameter(name))
+    with torch.no_grad():
+        model(IDS)
+        model(IDS)
+        set_module_tensor_to_device(model, name, "cpu", value=new)
+        held = model.get_parameter(name)
+        assert type(held) is nn.Parameter and torch.equal(held, new)
+        torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
+        torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
+    assert model.get_parameter(name).is_meta
