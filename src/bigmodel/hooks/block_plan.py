@@ -24,7 +24,7 @@ from .kept import _current as current
 # hooking (None: the class's forward))
 _Member = tuple[dict, Any, Any, Any]
 # (the member's _parameters, its hook, count of those parameters, count of the hook's offloaded names,
-# the hook's weights map, the execution device its values were built for): checked for each member that offloads
+# the hook's weights map, its execution_device as the values were built for): checked for each member that offloads
 _Offloading = tuple[dict, Any, int, int, Any, Any]
 # (the member's _parameters, name, slot, kept entry, the hook's kept values, token getter, tied map)
 _Tensor = tuple[dict, str, Any, Any, Any, Any, Any]
@@ -91,7 +91,7 @@ def make_plan(bypassed: list[tuple[nn.Module, Any, Any]], members: int) -> Block
             if entry is None or not entry.simple or params.get(name) is not entry.loaded:
                 return None
             tensors.append((params, name, slot, entry, kept, source[1][0], hook.tied_params_map))
-        offloading.append((params, hook, len(params), len(hook._slots), hook.weights_map, kept.device))
+        offloading.append((params, hook, len(params), len(hook._slots), hook.weights_map, hook.execution_device))
     return BlockPlan(list(bypassed), plan_members, offloading, tensors)
 
 
@@ -107,7 +107,7 @@ def put_in_plan(plan: BlockPlan, grad: bool) -> PlannedBypass | None:
             return None
     for params, hook, n_params, n_slots, weights_map, device in plan.offloading:
         if (not hook.offload or len(params) != n_params or len(hook._slots) != n_slots
-                or hook.weights_map is not weights_map or hook.tied_pointers_to_remove or hook.device != device):
+                or hook.weights_map is not weights_map or hook.tied_pointers_to_remove or hook.execution_device is not device):
             return None
     tensors = plan.tensors
     if tensors:

@@ -59,6 +59,7 @@ class KeptValues(dict):
 
     source: tuple[Any, TokenSource | None] | None = None  # (the weights map, value_token_getter of it)
     device: torch.device | None = None  # the hook's execution device the values were built for
+    spec: Any = None  # hook.execution_device as it was then (an identity check first: it is rarely reassigned)
 
     def __deepcopy__(self, memo: dict) -> KeptValues:
         return KeptValues()
@@ -78,10 +79,15 @@ def token_source(hook: Any, values: Any) -> TokenSource | None:
         return None
     weights_map = hook.weights_map
     cached = kept.source
-    device = hook.device
-    if cached is None or cached[0] is not weights_map or kept.device != device:
-        kept.clear()  # another map or device: nothing kept from the old one is current
-        kept.device = device
+    spec = hook.execution_device
+    if kept.spec is not spec:  # reassigned (align_module_device does): values built for another device go
+        device = hook.device
+        if kept.device != device:
+            kept.clear()
+            cached = kept.source = None
+        kept.spec, kept.device = spec, device
+    if cached is None or cached[0] is not weights_map:  # another map: nothing kept from the old one is current
+        kept.clear()
         cached = kept.source = (weights_map, value_token_getter(weights_map))  # type: ignore[arg-type]
     return cached[1]
 
@@ -133,7 +139,8 @@ def put_in_all_kept(hook: Any, module: nn.Module, grad: bool) -> bool:
         return True
     kept = hook.__dict__.get("_kept")
     cached = kept.source if kept else None
-    if cached is None or cached[0] is not hook.weights_map or cached[1] is None or kept.device != hook.device:
+    if (cached is None or cached[0] is not hook.weights_map or cached[1] is None
+            or kept.spec is not hook.execution_device):
         return False  # a load asks the (new) weights map how to tell, or loads for the new device
     get, tied_map = cached[1][0], hook.tied_params_map
     with torch._C.DisableTorchFunctionSubclass():
