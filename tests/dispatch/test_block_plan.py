@@ -163,3 +163,37 @@ def test_a_value_changed_in_the_weights_map_is_used(model, reference, calls):
             torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
         finally:
             reference.get_submodule(BLOCK).mlp.gate_proj.weight.div_(2)
+
+
+def test_a_changed_execution_device_ends_the_plan(folder, tmp_path, reference, calls, monkeypatch):
+    # A member whose hook now computes elsewhere ("meta" stands in for an accelerator) gets its value
+    # there, as accelerate's hook puts it on hook.execution_device at each forward.  Without prefetching
+    # (which stages values for a hook computing off the CPU) the plan would put the kept CPU values in.
+    monkeypatch.setenv("BIGMODEL_PREFETCH_DEPTH", "0")
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    model = load_checkpoint_and_dispatch(model.eval(), str(folder), device_map=MAP, offload_folder=str(tmp_path / "o"))
+    block = model.get_submodule(BLOCK)
+    assert block._hf_hook.prefetcher is None
+    hidden = torch.randn(1, 5, 32)
+    position = torch.arange(5)[None]
+    with torch.no_grad():
+        rotary = model.model.rotary_emb(hidden, position)
+        expected = block(hidden, position_embeddings=rotary, position_ids=position)
+        expected = expected[0] if isinstance(expected, tuple) else expected
+        for _ in range(2):
+            model(IDS)
+        planned = calls["planned"]
+        hooks = [block._hf_hook] + [hook for _, hook in block._hf_hook.members]
+        for hook in hooks:
+            hook.execution_device = "meta"
+        out = block(hidden, position_embeddings=rotary, position_ids=position)
+        assert (out[0] if isinstance(out, tuple) else out).device.type == "meta"
+        assert calls["planned"] == planned
+        for hook in hooks:
+            hook.execution_device = "cpu"
+        torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
+        torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
+    _placeholders_back(block)

@@ -205,3 +205,67 @@ def test_a_member_load_that_raises_leaves_every_member_as_it_was(folder, tmp_pat
         member = layer.get_submodule(name)
         assert type(member.__dict__.get("forward")) is HookedForward, name  # its hooks run again outside
         assert member.weight.is_meta, name  # the placeholder is back
+
+
+def test_a_changed_execution_device_is_used(monkeypatch):
+    # accelerate puts the weights map's value on hook.execution_device at each forward: a kept CPU value
+    # must not be put in once the hook computes elsewhere ("meta" stands in for an accelerator here).
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 3)
+    expected_weight = linear.weight.detach().clone()
+    seen = _held_weights(linear, monkeypatch)
+    add_hook_to_module(linear, AlignDevicesHook(execution_device="cpu", offload=True))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = linear(x)
+        linear(x)
+        linear._hf_hook.execution_device = "meta"
+        assert linear(x).device.type == "meta"
+        assert seen[-1].device.type == "meta"
+        with align_module_device(linear, "meta"):  # a forward inside the context computes where it says
+            assert linear(x).device.type == "meta"
+        linear._hf_hook.execution_device = "cpu"
+        torch.testing.assert_close(linear(x), expected)
+        torch.testing.assert_close(linear(x), expected)
+    torch.testing.assert_close(seen[-1], expected_weight)
+    assert seen[-1] is seen[-2]  # kept again once it computes on the CPU again
+
+
+def test_a_weights_map_value_changed_in_place_in_shape_or_strides_is_used():
+    # The dict entry stays the same object viewing the same memory, but in-place metadata ops change
+    # what it holds: accelerate reads the entry at each forward, so the change reaches the forward.
+    torch.manual_seed(0)
+    linear, plain = nn.Linear(4, 4), nn.Linear(4, 4)
+    plain.load_state_dict(linear.state_dict())
+    add_hook_to_module(linear, AlignDevicesHook("cpu", offload=True))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        linear(x)
+        linear(x)
+        linear._hf_hook.weights_map["weight"].t_()
+        plain.weight.t_()
+        torch.testing.assert_close(linear(x), plain(x))
+        torch.testing.assert_close(linear(x), plain(x))
+        linear._hf_hook.weights_map["bias"].unsqueeze_(0)
+        plain.bias.unsqueeze_(0)
+        torch.testing.assert_close(linear(x), plain(x))
+
+
+def test_set_module_tensor_to_device_on_an_offloaded_tensor(folder, tmp_path, reference):
+    # accelerate's set_module_tensor_to_device puts the value in the module's slot (a plain Parameter);
+    # its hook puts the weights map's value in at the next forward.  It used to raise a TypeError here
+    # (the placeholder's class was rebuilt with its hook reference as a keyword).
+    from bigmodel.utils import set_module_tensor_to_device
+
+    model = _dispatched(folder, tmp_path)
+    name = f"{Q}.weight"
+    new = torch.randn_like(reference.get_parameter(name))
+    with torch.no_grad():
+        model(IDS)
+        model(IDS)
+        set_module_tensor_to_device(model, name, "cpu", value=new)
+        held = model.get_parameter(name)
+        assert type(held) is nn.Parameter and torch.equal(held, new)
+        torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
+        torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
+    assert model.get_parameter(name).is_meta

@@ -98,8 +98,10 @@ def _cast(value: torch.Tensor, old: torch.Tensor | None, dtype: torch.dtype | No
 def as_parameter(value: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
     """A Parameter of ``old``'s class (quantised subclasses keep their ``__dict__`` settings) around ``value``."""
     requires_grad = old.requires_grad and value.is_floating_point()
-    if type(old) is nn.Parameter or is_tensor_subclass(old) or is_tensor_subclass(value):
-        # A wrapper subclass (torchao) is a Parameter by a flag, not by its class: nn.Parameter keeps its class.
+    if (type(old) is nn.Parameter or getattr(type(old), "replaced_by_plain_parameter", False)
+            or is_tensor_subclass(old) or is_tensor_subclass(value)):
+        # A wrapper subclass (torchao) is a Parameter by a flag, not by its class: nn.Parameter keeps its
+        # class.  An offloaded tensor's placeholder (it loads its value from its hook) is no class to keep.
         return nn.Parameter(value, requires_grad=requires_grad)
     extra = {k: v for k, v in old.__dict__.items() if k != "requires_grad"}
     return type(old)(value, requires_grad=requires_grad, **extra)

@@ -4,7 +4,7 @@ When every offloading member of a block put in only values it kept from an earli
 (:mod:`bigmodel.hooks.kept`), the block's hook records a :class:`BlockPlan`: flat lists of the
 members and of their tensors.  At the next forward, :func:`put_in_plan` checks in one pass that
 everything a member's own load would check is unchanged (the member's hooks and forward, its
-registered parameters and offloaded names, its weights map and each value's token, the
+registered parameters and offloaded names, its weights map, execution device and each value's token, the
 placeholder's dtype and ``requires_grad``, grad mode, tied values) and then puts the same
 Parameters in; :func:`put_back_plan` puts the placeholders back.  Anything different and the
 block falls back to the member-by-member path, which puts in exactly what a load would.
@@ -24,8 +24,8 @@ from .kept import _current as current
 # hooking (None: the class's forward))
 _Member = tuple[dict, Any, Any, Any]
 # (the member's _parameters, its hook, count of those parameters, count of the hook's offloaded names,
-# the hook's weights map): checked for each member that offloads
-_Offloading = tuple[dict, Any, int, int, Any]
+# the hook's weights map, its execution_device as the values were built for): checked for each member that offloads
+_Offloading = tuple[dict, Any, int, int, Any, Any]
 # (the member's _parameters, name, slot, kept entry, the hook's kept values, token getter, tied map)
 _Tensor = tuple[dict, str, Any, Any, Any, Any, Any]
 
@@ -91,7 +91,7 @@ def make_plan(bypassed: list[tuple[nn.Module, Any, Any]], members: int) -> Block
             if entry is None or not entry.simple or params.get(name) is not entry.loaded:
                 return None
             tensors.append((params, name, slot, entry, kept, source[1][0], hook.tied_params_map))
-        offloading.append((params, hook, len(params), len(hook._slots), hook.weights_map))
+        offloading.append((params, hook, len(params), len(hook._slots), hook.weights_map, hook.execution_device))
     return BlockPlan(list(bypassed), plan_members, offloading, tensors)
 
 
@@ -105,9 +105,9 @@ def put_in_plan(plan: BlockPlan, grad: bool) -> PlannedBypass | None:
     for state, hook, hooked, _ in plan.members:
         if state.get("_hf_hook") is not hook or state.get("forward") is not hooked:
             return None
-    for params, hook, n_params, n_slots, weights_map in plan.offloading:
+    for params, hook, n_params, n_slots, weights_map, device in plan.offloading:
         if (not hook.offload or len(params) != n_params or len(hook._slots) != n_slots
-                or hook.weights_map is not weights_map or hook.tied_pointers_to_remove):
+                or hook.weights_map is not weights_map or hook.tied_pointers_to_remove or hook.execution_device is not device):
             return None
     tensors = plan.tensors
     if tensors:
@@ -137,7 +137,7 @@ def put_back_plan(taken: PlannedBypass) -> bool:
     for state, hook, _, _ in plan.members:
         if state.get("_hf_hook") is not hook:
             return False
-    for _, hook, _, _, _ in plan.offloading:
+    for _, hook, _, _, _, _ in plan.offloading:
         if hook.tied_pointers_to_remove:
             return False
     tensors = plan.tensors

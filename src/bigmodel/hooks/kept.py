@@ -7,8 +7,11 @@ is then most of the hook's work.  The hook keeps the Parameter (or buffer) it bu
 same object in at the next forward, as a plain model holds the same Parameter at every forward,
 while everything the value is built from is unchanged:
 
+- the hook's execution device is the one the value was built for (``hook.execution_device`` may be
+  reassigned, as ``align_module_device`` does: a load then puts the value there);
 - the weights map holds the same value: the same object in a dict, the same mapped view (or
-  in-memory entry) of an ``OffloadedWeightsLoader`` (asked with
+  in-memory entry) of an ``OffloadedWeightsLoader``, with the same version counter (an in-place op
+  on it, such as ``t_()`` or ``resize_``, may change its shape or strides over the same memory) (asked with
   :func:`bigmodel.offload.storage.value_token_getter`; any other map: nothing is kept);
 - the placeholder has the same dtype and ``requires_grad`` (``model.to(dtype)``,
   ``requires_grad_`` act on it), and the slot rounds nothing (layerwise casting);
@@ -39,11 +42,13 @@ TokenSource = tuple[Callable[[str], Any], str]  # (get, prefix): get(prefix + na
 class Kept:
     """A value put in at an earlier forward, and what it was built from."""
 
-    __slots__ = ("dtype", "key", "loaded", "loaded_requires_grad", "pointer", "requires_grad", "simple", "token")
+    __slots__ = ("dtype", "key", "loaded", "loaded_requires_grad", "pointer", "requires_grad", "simple", "token",
+                 "version")
 
     def __init__(self, token: Any, key: str, pointer: int, placeholder: torch.Tensor, loaded: torch.Tensor,
                  simple: bool) -> None:
         self.token, self.key, self.pointer, self.loaded = token, key, pointer, loaded
+        self.version = token._version  # bumped by any in-place op on the value (metadata ones included)
         self.dtype, self.requires_grad = placeholder.dtype, placeholder.requires_grad  # the placeholder's
         self.loaded_requires_grad = loaded.requires_grad
         self.simple = simple  # a Parameter of the hook's module itself (not of a submodule)
@@ -53,6 +58,8 @@ class KeptValues(dict):
     """Name → :class:`Kept` of one hook; any copy of it is empty (a copied hook builds its own values)."""
 
     source: tuple[Any, TokenSource | None] | None = None  # (the weights map, value_token_getter of it)
+    device: torch.device | None = None  # the hook's execution device the values were built for
+    spec: Any = None  # hook.execution_device as it was then (an identity check first: it is rarely reassigned)
 
     def __deepcopy__(self, memo: dict) -> KeptValues:
         return KeptValues()
@@ -72,6 +79,13 @@ def token_source(hook: Any, values: Any) -> TokenSource | None:
         return None
     weights_map = hook.weights_map
     cached = kept.source
+    spec = hook.execution_device
+    if kept.spec is not spec:  # reassigned (align_module_device does): values built for another device go
+        device = hook.device
+        if kept.device != device:
+            kept.clear()
+            cached = kept.source = None
+        kept.spec, kept.device = spec, device
     if cached is None or cached[0] is not weights_map:  # another map: nothing kept from the old one is current
         kept.clear()
         cached = kept.source = (weights_map, value_token_getter(weights_map))  # type: ignore[arg-type]
@@ -125,8 +139,9 @@ def put_in_all_kept(hook: Any, module: nn.Module, grad: bool) -> bool:
         return True
     kept = hook.__dict__.get("_kept")
     cached = kept.source if kept else None
-    if cached is None or cached[0] is not hook.weights_map or cached[1] is None:
-        return False  # a load asks the (new) weights map how to tell
+    if (cached is None or cached[0] is not hook.weights_map or cached[1] is None
+            or kept.spec is not hook.execution_device):
+        return False  # a load asks the (new) weights map how to tell, or loads for the new device
     get, tied_map = cached[1][0], hook.tied_params_map
     with torch._C.DisableTorchFunctionSubclass():
         for name, slot in slots.items():
@@ -167,6 +182,7 @@ def _current(entry: Kept, slot: Slot, token: Any, grad: bool) -> bool:
     placeholder, loaded = slot.placeholder, entry.loaded
     return (
         token is entry.token
+        and token._version == entry.version
         and placeholder.dtype is entry.dtype
         and placeholder.requires_grad is entry.requires_grad
         and slot.round_to is None

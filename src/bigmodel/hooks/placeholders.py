@@ -70,6 +70,9 @@ def _func_name(func: Callable) -> str:
 class OffloadedParameter(nn.Parameter):
     """Meta placeholder of an offloaded parameter that loads its value when an op uses it."""
 
+    # A value set in its place (set_module_tensor_to_device) is held as a plain nn.Parameter.
+    replaced_by_plain_parameter = True
+
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
