@@ -6,7 +6,8 @@ generate_smollm2_half_disk`` once to build it) three times: plain in memory, and
 (``BIGMODEL_BLOCK_HOOKS=0``) and with one per block (the default).  After a prompt forward each,
 one KV-cached decode step of each model runs in turn, ``--steps`` times, so that the three see
 the same load on a shared machine; prints the median time per step (milliseconds; wall clock or
-this thread's CPU time) and the tokens/s ratios to the plain model.  One thread (``torch``).
+this thread's CPU time) and the tokens/s ratios to the plain model (of the medians, and the median
+of the ratios of steps run back to back, which cancels slow drifts of a shared machine).  One thread (``torch``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def main() -> None:
     load = os.getloadavg() if hasattr(os, "getloadavg") else ()
     print(f"{args.steps} decode steps, clock {args.clock}, load average at the end {load}")
     for name, ms in medians.items():
-        print(f"  {name:14s} {ms:8.2f} ms/step   tokens/s vs plain {medians['plain'] / ms:.3f}")
+        paired = statistics.median(p / t for p, t in zip(times["plain"], times[name]))  # step by step: drift cancels
+        print(f"  {name:14s} {ms:8.2f} ms/step   tokens/s vs plain {medians['plain'] / ms:.3f}"
+              f"   (median of per-step ratios {paired:.3f})")
     tokens = {name: int(token.item()) for name, (token, _) in state.items()}
     print(f"  last tokens {tokens} ({'the same' if len(set(tokens.values())) == 1 else 'DIFFER'})")
 

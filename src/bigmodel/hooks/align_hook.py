@@ -30,7 +30,7 @@ from ..core.tensors import (
 from ..offload.quantized_store import read_offloaded, take_dequantized, take_subclass
 from .kept import KeptValues, keep_value, put_in_kept, token_source
 from .block_plan import PlanSlot
-from .members import bypass_members, restore_members, split_staged
+from .members import restore_members, take_members
 from .moving import find_device, send_inputs_to_device, send_to_device
 from .placeholders import (
     Slot,
@@ -331,10 +331,7 @@ class AlignDevicesHook(ModelHook):
 
     def _load_members(self, module: nn.Module, staged: Mapping[str, torch.Tensor] | None) -> None:
         """Put this hook's and its members' weights in; set the members' own hooks aside (see :meth:`set_members`)."""
-        split = split_staged(staged)
-        if self.offload:
-            self.load_weights(module, split.get(id(self)))
-        self._bypassed.append(bypass_members(self.members, split, self.__dict__.get("_plans")))
+        self._bypassed.append(take_members(self, module, staged))
 
     def _unload_members(self) -> None:
         restore_members(self._bypassed.pop() if self._bypassed else ())

@@ -102,7 +102,8 @@ def put_in_plan(plan: BlockPlan, grad: bool) -> PlannedBypass | None:
         The members taken over (for :func:`put_back_plan`), or None when anything changed since the
         plan was made (nothing was put in: the member-by-member path does the load).
     """
-    for state, hook, hooked, _ in plan.members:
+    members = plan.members
+    for state, hook, hooked, _ in members:
         if state.get("_hf_hook") is not hook or state.get("forward") is not hooked:
             return None
     for params, hook, n_params, n_slots, weights_map, device in plan.offloading:
@@ -119,7 +120,7 @@ def put_in_plan(plan: BlockPlan, grad: bool) -> PlannedBypass | None:
                     return None
         for params, name, _, entry, _, _, _ in tensors:
             params[name] = entry.loaded
-    for state, _, _, old in plan.members:
+    for state, _, _, old in members:
         if old is None:
             del state["forward"]  # the class's forward runs
         else:
@@ -134,9 +135,6 @@ def put_back_plan(taken: PlannedBypass) -> bool:
     still holds the kept value in its placeholder's dtype and the same hook; False (nothing changed)
     when the member-by-member path must do it."""
     plan = taken.plan
-    for state, hook, _, _ in plan.members:
-        if state.get("_hf_hook") is not hook:
-            return False
     for _, hook, _, _, _, _ in plan.offloading:
         if hook.tied_pointers_to_remove:
             return False

@@ -32,6 +32,31 @@ def split_staged(staged: Mapping[str, torch.Tensor] | None) -> dict[int, dict[st
     return split
 
 
+def take_members(hook: Any, module: nn.Module, staged: Mapping[str, torch.Tensor] | None) -> Bypassed:
+    """A block hook's pre-forward work: its own weights and its members' put in, their hooks set aside.
+
+    Without staged values, the block's plan (:mod:`bigmodel.hooks.block_plan`) does it in one pass
+    when nothing changed since the plan was made; otherwise member by member (:func:`bypass_members`).
+
+    Args:
+        hook: the block's :class:`~bigmodel.hooks.align_hook.AlignDevicesHook` (with ``members``).
+        module: the block.
+        staged: values a prefetch staged for the block (keys ``"<id of the hook>|<name>"``), or None.
+
+    Returns:
+        The members taken over, for :func:`restore_members`.
+    """
+    plans = hook.__dict__.get("_plans")
+    if staged is None and not hook.offload and plans is not None and plans.plan is not None:
+        taken = put_in_plan(plans.plan, torch.is_grad_enabled())
+        if taken is not None:
+            return taken
+    split = split_staged(staged)
+    if hook.offload:
+        hook.load_weights(module, split.get(id(hook)))
+    return bypass_members(hook.members, split, plans)
+
+
 def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int, Mapping[str, torch.Tensor]],
                    plans: PlanSlot | None = None) -> Bypassed:
     """Put each member's offloaded weights in and set its hooked forward aside.
@@ -40,9 +65,8 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
         members: ``(submodule, its AlignDevicesHook)`` pairs.
         split: staged values per hook id (:func:`split_staged`); a hook without an entry reads its own
             (or puts in the values it kept from its last forward, see :mod:`bigmodel.hooks.kept`).
-        plans: the block's :class:`~bigmodel.hooks.block_plan.PlanSlot`: without staged values, its
-            plan puts every member's kept values in at once when nothing changed, and a new plan is
-            made when the members were taken over one by one.
+        plans: the block's :class:`~bigmodel.hooks.block_plan.PlanSlot`: without staged values, a new
+            plan is made from the members taken over (see :func:`take_members`).
 
     Returns:
         The members taken over, for :func:`restore_members`.  A member whose module no longer holds
@@ -54,10 +78,6 @@ def bypass_members(members: Sequence[tuple[nn.Module, Any]], split: Mapping[int,
     """
     grad = torch.is_grad_enabled()
     planned = plans is not None and not split
-    if planned and plans.plan is not None:  # type: ignore[union-attr]
-        taken = put_in_plan(plans.plan, grad)  # type: ignore[union-attr]
-        if taken is not None:
-            return taken
     bypassed: Bypassed = []
     try:
         for member, hook in members:

@@ -167,18 +167,21 @@ def merged_spans(tensors: Iterable[torch.Tensor]) -> list[Span]:
     return [(lo, hi - lo) for lo, hi in merged]
 
 
-def resident(spans: Iterable[Span]) -> bool:
-    """True if the first and last ``_SAMPLE_PAGES`` pages of every span are in RAM (``mincore``)."""
+def resident(spans: Iterable[Span], last: bool = True) -> bool:
+    """True if the first and (with ``last``) last ``_SAMPLE_PAGES`` pages of every span are in RAM (``mincore``)."""
     vec = ctypes.create_string_buffer(_SAMPLE_PAGES)
     for address, length in spans:
         pages = length // _PAGE
-        for start in {address, address + max(0, pages - _SAMPLE_PAGES) * _PAGE}:
+        for start in {address, address + max(0, pages - _SAMPLE_PAGES) * _PAGE} if last else (address,):
             count = min(pages, _SAMPLE_PAGES)
             if _LIBC.mincore(ctypes.c_void_p(start), count * _PAGE, vec) != 0:
                 return False
-            if any(byte & 1 == 0 for byte in vec.raw[:count]):
+            if b"\x00" in vec.raw[:count].translate(_LOW_BIT):
                 return False
     return True
+
+
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0 of a page's byte when it is resident
 
 
 def pieces(span: Span) -> list[Span]:
@@ -295,7 +298,7 @@ class ReadAhead:
         if was:  # while reading ahead: every module's spans (the I/O dominates this check)
             self.active = not all(resident(spans) for spans in self._spans or [])
         else:  # a few modules spread over the order, first pages only: microseconds
-            self.active = any(not resident(self._spans[i][:1]) for i in self._probes)  # type: ignore[index]
+            self.active = any(not resident(self._spans[i][:1], last=False) for i in self._probes)  # type: ignore[index]
         if self.active and not was:
             self._plan()
 
@@ -305,7 +308,7 @@ class ReadAhead:
         self._spans = [file_spans(tensors.values(), mappings) for tensors in values]
         self._bytes = [sum(length for _, length in spans) for spans in self._spans]
         with_bytes = [i for i, size in enumerate(self._bytes) if size]
-        self._probes = with_bytes[:: max(1, len(with_bytes) // PROBES)]
+        self._probes = with_bytes[:: -(-len(with_bytes) // PROBES) or 1]  # at most PROBES, spread over the order
         self.window = max(self.window, max(self._bytes, default=0))
 
     def _plan(self) -> None:
