@@ -7,42 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny_hf import write_tiny_llama
+from _offloaded_llama import IDS, dispatched, folder, reference  # noqa: F401  (fixtures)
 from torch import nn
 
-from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from bigmodel.hooks import members as members_module
 from bigmodel.hooks.forward import HookedForward
 
-transformers = pytest.importorskip("transformers")
-
-MAP = {
-    "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
-    "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
-}  # fmt: skip
-IDS = torch.tensor([[5, 6, 7, 8, 9]])
 BLOCK = "model.layers.1"
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", tokenizer=False, tie=True)
-
-
-@pytest.fixture(scope="module")
-def reference(folder: Path) -> nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 @pytest.fixture
 def model(folder: Path, tmp_path: Path) -> nn.Module:
-    config = transformers.AutoConfig.from_pretrained(str(folder))
-    with init_empty_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    model.tie_weights()
-    model.eval()
-    return load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
+    return dispatched(folder, tmp_path)
 
 
 @pytest.fixture
@@ -166,11 +143,7 @@ def test_a_changed_execution_device_ends_the_plan(folder, tmp_path, reference, c
     # there, as accelerate's hook puts it on hook.execution_device at each forward.  Without prefetching
     # (which stages values for a hook computing off the CPU) the plan would put the kept CPU values in.
     monkeypatch.setenv("BIGMODEL_PREFETCH_DEPTH", "0")
-    config = transformers.AutoConfig.from_pretrained(str(folder))
-    with init_empty_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    model.tie_weights()
-    model = load_checkpoint_and_dispatch(model.eval(), str(folder), device_map=MAP, offload_folder=str(tmp_path / "o"))
+    model = dispatched(folder, tmp_path)
     block = model.get_submodule(BLOCK)
     assert block._hf_hook.prefetcher is None
     hidden = torch.randn(1, 5, 32)

@@ -5,43 +5,20 @@ every change (in the forward, model-wide, in the weights map, grad and inference
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
-from _tiny_hf import write_tiny_llama
+from _offloaded_llama import IDS, dispatched, folder, reference  # noqa: F401  (fixtures)
 from torch import nn
 
-from bigmodel import align_module_device, init_empty_weights, load_checkpoint_and_dispatch
+from bigmodel import (
+    align_module_device,
+)
 from bigmodel.hooks import AlignDevicesHook, add_hook_to_module
 
 transformers = pytest.importorskip("transformers")
 
-MAP = {
-    "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
-    "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
-}  # fmt: skip
-IDS = torch.tensor([[5, 6, 7, 8, 9]])
 Q = "model.layers.1.self_attn.q_proj"
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", tokenizer=False, tie=True)
-
-
-@pytest.fixture(scope="module")
-def reference(folder: Path) -> nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
-def _dispatched(folder: Path, tmp_path: Path) -> nn.Module:
-    config = transformers.AutoConfig.from_pretrained(str(folder))
-    with init_empty_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    model.tie_weights()
-    model.eval()
-    return load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
 
 
 def _held_weights(module: nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
@@ -62,7 +39,7 @@ def _held_weights(module: nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[to
 @pytest.mark.parametrize("block_hooks", ["1", "0"])  # one hook run per block, or per submodule
 def test_the_same_parameter_at_each_forward(folder, tmp_path, reference, monkeypatch, block_hooks):
     monkeypatch.setenv("BIGMODEL_BLOCK_HOOKS", block_hooks)
-    model = _dispatched(folder, tmp_path)
+    model = dispatched(folder, tmp_path)
     assert bool(model.get_submodule("model.layers.1")._hf_hook.members) is (block_hooks == "1")
     seen = _held_weights(model.get_submodule(Q), monkeypatch)
     with torch.no_grad():
@@ -76,7 +53,7 @@ def test_the_same_parameter_at_each_forward(folder, tmp_path, reference, monkeyp
 
 
 def test_changes_made_in_a_forward_do_not_outlive_it(folder, tmp_path, reference, monkeypatch):
-    model = _dispatched(folder, tmp_path)
+    model = dispatched(folder, tmp_path)
     q = model.get_submodule(Q)
     calls = []
 
@@ -100,7 +77,7 @@ def test_changes_made_in_a_forward_do_not_outlive_it(folder, tmp_path, reference
 
 
 def test_model_wide_changes_reach_the_forward(folder, tmp_path, reference, monkeypatch):
-    model = _dispatched(folder, tmp_path)
+    model = dispatched(folder, tmp_path)
     q = model.get_submodule(Q)
     seen = _held_weights(q, monkeypatch)
     model.requires_grad_(False)
@@ -122,7 +99,7 @@ def test_model_wide_changes_reach_the_forward(folder, tmp_path, reference, monke
 
 
 def test_gradients_never_outlive_their_forward(folder, tmp_path, reference, monkeypatch):
-    model = _dispatched(folder, tmp_path)
+    model = dispatched(folder, tmp_path)
     q = model.get_submodule(Q)
     seen = _held_weights(q, monkeypatch)
     with torch.no_grad():
@@ -135,7 +112,7 @@ def test_gradients_never_outlive_their_forward(folder, tmp_path, reference, monk
 
 
 def test_inference_mode_values_are_never_kept(folder, tmp_path, reference, monkeypatch):
-    model = _dispatched(folder, tmp_path)
+    model = dispatched(folder, tmp_path)
     model.requires_grad_(False)
     seen = _held_weights(model.get_submodule(Q), monkeypatch)
     with torch.inference_mode():
@@ -149,7 +126,7 @@ def test_inference_mode_values_are_never_kept(folder, tmp_path, reference, monke
 
 
 def test_weights_map_changes_reach_the_forward(folder, tmp_path, reference, monkeypatch):
-    model = _dispatched(folder, tmp_path)
+    model = dispatched(folder, tmp_path)
     q = model.get_submodule(Q)
     with torch.no_grad():
         model(IDS)
@@ -180,7 +157,7 @@ def test_weights_map_changes_reach_the_forward(folder, tmp_path, reference, monk
 
 
 def test_a_deep_copy_keeps_nothing(folder, tmp_path, reference, monkeypatch):
-    model = _dispatched(folder, tmp_path)
+    model = dispatched(folder, tmp_path)
     with torch.no_grad():
         model(IDS)
         clone = copy.deepcopy(model)
@@ -195,7 +172,7 @@ def test_a_deep_copy_keeps_nothing(folder, tmp_path, reference, monkeypatch):
 def test_a_member_load_that_raises_leaves_every_member_as_it_was(folder, tmp_path):
     from bigmodel.hooks.forward import HookedForward
 
-    model = _dispatched(folder, tmp_path)
+    model = dispatched(folder, tmp_path)
     layer = model.get_submodule("model.layers.1")
     v_proj = layer.self_attn.v_proj
     v_proj._hf_hook.weights_map = {}  # its value cannot be read: the block's forward raises there
@@ -257,7 +234,7 @@ def test_set_module_tensor_to_device_on_an_offloaded_tensor(folder, tmp_path, re
     # (the placeholder's class was rebuilt with its hook reference as a keyword).
     from bigmodel.utils import set_module_tensor_to_device
 
-    model = _dispatched(folder, tmp_path)
+    model = dispatched(folder, tmp_path)
     name = f"{Q}.weight"
     new = torch.randn_like(reference.get_parameter(name))
     with torch.no_grad():
