@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _page_cache import drop, write_wide_llama
 from torch import nn
 
 from bigmodel import disk_offload, init_empty_weights, load_checkpoint_and_dispatch
@@ -32,23 +33,7 @@ IDS = torch.tensor([[5, 6, 7, 8, 9]])
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     """A 4-layer Llama (float32 safetensors) whose layers (16 MB each) exceed the kernel's read-around of a page fault."""
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=len(BLOCKS), num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(str(path))
-    return path
-
-
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    return write_wide_llama(tmp_path_factory.mktemp("llama"), len(BLOCKS))
 
 
 class Advice:
@@ -100,7 +85,7 @@ def _cold_llama(folder: Path, tmp_path: Path) -> tuple[nn.Module, dict[str, set]
     assert all(spans_of.values())  # the disk blocks are served from the checkpoint's file mapping
     for spans in spans_of.values():
         readahead.release(spans)
-    _drop(folder / "model.safetensors")
+    drop(folder / "model.safetensors")
     assert not any(readahead.resident(sorted(spans)[:1]) for spans in spans_of.values())
     return model, spans_of
 
@@ -159,7 +144,7 @@ def test_a_wrong_guess_is_replaced_by_the_recorded_order(tmp_path, monkeypatch):
     advice = Advice(monkeypatch, {name: model.get_submodule(name) for name in names})
     for name in os.listdir(tmp_path / "off"):
         if name.endswith(".dat"):
-            _drop(tmp_path / "off" / name)
+            drop(tmp_path / "off" / name)
     with torch.no_grad():
         assert torch.equal(model(x), expected)
         assert [id(ref()) for ref in prefetcher.order.refs] == [id(layer._hf_hook) for layer in model.layers]
@@ -168,7 +153,7 @@ def test_a_wrong_guess_is_replaced_by_the_recorded_order(tmp_path, monkeypatch):
             readahead.release(spans)
         for name in os.listdir(tmp_path / "off"):
             if name.endswith(".dat"):
-                _drop(tmp_path / "off" / name)
+                drop(tmp_path / "off" / name)
         assert torch.equal(model(x), expected)  # the recorded order replaces the guess
     assert [id(ref()) for ref in prefetcher.order.refs] == [id(model.get_submodule(n)._hf_hook) for n in run_order]
     starts = advice.advised_before_each_start(spans_of)

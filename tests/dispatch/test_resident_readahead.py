@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _page_cache import drop, write_wide_llama
 from torch import nn
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
@@ -39,23 +40,7 @@ IDS = torch.tensor([[5, 6, 7, 8, 9]])
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     """A 4-layer Llama (float32 safetensors, 16 MB layers, untied head)."""
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(str(path))
-    return path
-
-
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    return write_wide_llama(tmp_path_factory.mktemp("llama"), 4)
 
 
 class Calls:
@@ -115,7 +100,7 @@ def test_dispatch_reads_the_cold_resident_part_ahead_in_module_order_and_never_r
     monkeypatch.delenv(readahead.ENV, raising=False)
     expected = _reference(folder)
     calls = Calls(monkeypatch)
-    _drop(folder / "model.safetensors")
+    drop(folder / "model.safetensors")
     model = _dispatch(folder, tmp_path)
     _settle()
     spans_of = _resident_spans(model)
@@ -141,7 +126,7 @@ def test_dispatch_reads_the_cold_resident_part_ahead_in_module_order_and_never_r
 def test_a_warm_resident_part_or_reading_ahead_off_asks_for_nothing(folder, tmp_path, monkeypatch):
     calls = Calls(monkeypatch)
     monkeypatch.setenv(readahead.ENV, "0")
-    _drop(folder / "model.safetensors")
+    drop(folder / "model.safetensors")
     model = _dispatch(folder, tmp_path)
     _settle()
     assert calls.need == []
@@ -158,7 +143,7 @@ def test_a_warm_resident_part_or_reading_ahead_off_asks_for_nothing(folder, tmp_
 
 def _memmap(path: Path, mib: int) -> torch.Tensor:
     np.arange(mib * 2**18, dtype=np.float32).tofile(path)
-    _drop(path)
+    drop(path)
     return torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r+"))
 
 
@@ -174,8 +159,8 @@ def test_read_resident_reads_in_order_skips_anonymous_memory_and_stops_at_the_me
     assert readahead.resident(spans)
     calls.need.clear()
     readahead.release(spans)  # the read left them mapped: unmap, then drop
-    _drop(tmp_path / "a.bin")
-    _drop(tmp_path / "b.bin")
+    drop(tmp_path / "a.bin")
+    drop(tmp_path / "b.bin")
     assert not readahead.resident(spans[:1]) and not readahead.resident(spans[1:])
     bound = (first.nbytes + second.nbytes // 2) / readahead.STREAM_FRACTION
     resident.read_resident(groups, available=int(bound)).result()  # the second would not fit
@@ -203,7 +188,7 @@ def test_the_first_forward_reads_ahead_disk_layers_whose_shards_it_maps_itself(t
     assert len(shards) >= 4  # about one 16 MB layer per shard
     expected = _reference(folder)
     for shard in shards:
-        _drop(shard)
+        drop(shard)
     model = _dispatch(folder, tmp_path)
     _settle()
     calls = Calls(monkeypatch)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from _page_cache import drop
 from safetensors.torch import save_file
 from torch import nn
 
@@ -17,19 +18,10 @@ from bigmodel.offload.storage import OffloadedWeightsLoader
 pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
 
 
-def _drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _mapped(tmp_path, mib: int = 8) -> tuple[torch.Tensor, str]:
     path = str(tmp_path / "w.safetensors")
     save_file({"w": torch.arange(mib * 2**18, dtype=torch.float32)}, path)
-    _drop(path)
+    drop(path)
     index = {"w": {"safetensors_file": path, "weight_name": "w", "dtype": "float32", "shape": [mib * 2**18]}}
     return OffloadedWeightsLoader(index=index)["w"], path
 
@@ -47,7 +39,7 @@ def test_file_spans_cover_mapped_tensors_and_skip_anonymous_memory(tmp_path):
 def test_will_need_reads_a_cold_range_into_ram_without_touching_it(tmp_path):
     mapped, path = _mapped(tmp_path)
     spans = readahead.file_spans([mapped], readahead.file_mappings())
-    _drop(path)
+    drop(path)
     assert not readahead.resident(spans)
     readahead.will_need(spans)
     for _ in range(200):  # the reads are asynchronous: wait for them (up to 2 s)
@@ -83,7 +75,7 @@ def test_readahead_of_a_disk_offloaded_model_starts_when_its_weights_are_cold(tm
             readahead.release(readahead.file_spans(
                 [model[0]._hf_hook.weights_map.dataset[name[:-4]]] if name.endswith(".dat") else [],
                 readahead.file_mappings()))
-            _drop(str(tmp_path / "offload" / name))
+            drop(str(tmp_path / "offload" / name))
         assert torch.allclose(model(x), expected, atol=1e-6)
         assert prefetcher.readahead.active  # cold at the forward's start: reading ahead
 
@@ -101,7 +93,7 @@ def test_will_need_reads_all_of_a_span_longer_than_one_advice_reads(tmp_path):
     if step > 32 << 20:
         pytest.skip(f"read_ahead_kb of {tmp_path}'s device is {step >> 10}: the file would be too large")
     save_file({"w": torch.arange(3 * step // 4 + 1000, dtype=torch.float32)}, path)
-    _drop(path)
+    drop(path)
     index = {"w": {"safetensors_file": path, "weight_name": "w", "dtype": "float32", "shape": [3 * step // 4 + 1000]}}
     mapped = OffloadedWeightsLoader(index=index)["w"]
     spans = readahead.file_spans([mapped], readahead.file_mappings())
