@@ -27,7 +27,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from bigmodel.dispatch import dispatch as dispatch_module
-from bigmodel.dispatch import prefetch as prefetch_module
 from bigmodel.dispatch import redispatch as redispatch_module
 from bigmodel.dispatch import whole_model as whole_model_module
 from bigmodel.transfer import copies as copies_module
@@ -196,9 +195,16 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
     return fake
 
 
-def _drain_prefetch_worker(timeout_s: float = 60.0) -> None:
-    """Wait until every task queued on the one-thread prefetch worker so far has run (FIFO)."""
-    prefetch_module._executor().submit(lambda: None).result(timeout=timeout_s)
+def drain_workers(timeout_s: float = 60.0) -> None:
+    """Wait until every task queued so far on bigmodel's one-thread background workers (prefetch,
+    storage read-ahead, resident read) has run: each runs its queue in order."""
+    from bigmodel.core.workers import worker
+
+    for name in ("bigmodel-prefetch", "bigmodel-readahead", "bigmodel-resident"):
+        worker(name).submit(lambda: None).result(timeout=timeout_s)
+
+
+_drain_prefetch_worker = drain_workers
 
 
 def dispatch_as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
