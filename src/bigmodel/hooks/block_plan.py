@@ -132,8 +132,9 @@ def put_in_plan(plan: BlockPlan, grad: bool) -> PlannedBypass | None:
 
 def put_back_plan(taken: PlannedBypass) -> bool:
     """Put the placeholders and the hooked forwards back after :func:`put_in_plan`, if each member
-    still holds the kept value in its placeholder's dtype and the same hook; False (nothing changed)
-    when the member-by-member path must do it."""
+    still holds its kept value in its placeholder's dtype and no tied value is to be dropped; False
+    (nothing changed) when the member-by-member path must do it (it ends in the same state for a
+    member whose hook changed during the forward: placeholders and hooked forward back)."""
     plan = taken.plan
     for _, hook, _, _, _, _ in plan.offloading:
         if hook.tied_pointers_to_remove:
