@@ -286,6 +286,11 @@ def device_of(name: str, device_map: Mapping[str, object]) -> object:
     raise UncoveredTensorError(f"{name!r} is not covered by the device map; add it or one of its parent modules.")
 
 
+def is_covered(name: str, device_map: Mapping[str, object] | set[str]) -> bool:
+    """True if an entry of the device map (or a set of its keys) covers ``name`` (itself or a parent; ``""`` all)."""
+    return any(prefix in device_map for prefix in name_prefixes(name))
+
+
 def check_covered(names: Iterable[str], device_map: Mapping[str, object], owner: str) -> None:
     """Raise one error naming every name of ``names`` the device map does not cover.
 
@@ -297,11 +302,11 @@ def check_covered(names: Iterable[str], device_map: Mapping[str, object], owner:
     Raises:
         UncoveredTensorError: the first 10 uncovered names, their count, and the fix.
     """
-    missing = [name for name in names if not any(prefix in device_map for prefix in name_prefixes(name))]
+    missing = [name for name in names if not is_covered(name, device_map)]
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise UncoveredTensorError(
-            f"The device map gives no device to {len(missing)} tensors of {owner}: {shown}. "
+            f"The device map does not cover {len(missing)} parameters/buffers of {owner}: {shown}. "
             "Add them, or a module containing them, to the device map."
         )
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..core.devices import DeviceSpec, normalize_device
-from ..core.tensors import get_non_persistent_buffers, name_prefixes
+from ..core.tensors import check_covered, get_non_persistent_buffers, is_covered
 from .fill import (
     Placed,
     PlanContext,
@@ -251,7 +251,8 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, object]) -> None
     them, worded as the incumbent words it.
 
     Raises:
-        ValueError: naming the uncovered parameters/buffers and how to fix the map.
+        UncoveredTensorError: a ValueError (and KeyError) naming the uncovered parameters/buffers and
+            how to fix the map.
     """
     unknown = unknown_device_map_keys(model, device_map)
     if unknown:
@@ -259,14 +260,7 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, object]) -> None
     transient = get_non_persistent_buffers(model, recurse=True, fqns=True)
     names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
     names += [name for name, _ in model.named_buffers(remove_duplicate=False) if name not in transient]
-    keys = set(device_map)
-    missing = [name for name in names if not _covered(name, keys)]
-    if missing:
-        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-        raise ValueError(
-            f"The device map does not cover {len(missing)} parameters/buffers of {type(model).__name__}: {shown}. "
-            "Add them, or a module containing them, to the device map."
-        )
+    check_covered(names, device_map, type(model).__name__)
 
 
 def uncovered_buffers(model: nn.Module, device_map: Mapping[str, object]) -> list[str]:
@@ -277,11 +271,7 @@ def uncovered_buffers(model: nn.Module, device_map: Mapping[str, object]) -> lis
         Their dotted names, in ``named_buffers`` order.
     """
     keys = set(device_map)
-    return [name for name, _ in model.named_buffers(remove_duplicate=False) if not _covered(name, keys)]
-
-
-def _covered(name: str, keys: set[str]) -> bool:
-    return any(prefix in keys for prefix in name_prefixes(name))
+    return [name for name, _ in model.named_buffers(remove_duplicate=False) if not is_covered(name, keys)]
 
 
 def resolve_device_map(
