@@ -8,17 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny_hf import write_tiny_llama
+from _tiny_hf import TWO_LAYERS_ON_DISK, write_tiny_llama
 from torch import nn
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 
 transformers = pytest.importorskip("transformers")
 
-MAP = {
-    "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
-    "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
-}  # fmt: skip
+MAP = TWO_LAYERS_ON_DISK
 IDS = torch.tensor([[5, 6, 7, 8, 9]])
 
 

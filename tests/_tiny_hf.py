@@ -7,6 +7,12 @@ from pathlib import Path
 
 import torch
 
+# The tiny Llama of write_tiny_llama with decoder layers 1 and 2 on disk, everything else on the CPU.
+TWO_LAYERS_ON_DISK = {
+    "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
+    "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+}  # fmt: skip
+
 VOCAB = ["[UNK]", "[PAD]", "[EOS]"] + [f"w{i}" for i in range(61)]
 LAYERS = 4
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_hf import TWO_LAYERS_ON_DISK as LLAMA_MAP
 from _tiny_hf import write_tiny_llama
 from safetensors.torch import save_file, save_model
 from torch import nn
@@ -23,10 +24,6 @@ from bigmodel.hooks import AlignDevicesHook, SequentialHook
 
 # --------------------------------------------------------------------------- tiny transformers model
 
-LLAMA_MAP = {
-    "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
-    "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
-}  # fmt: skip
 IDS = torch.tensor([[3, 5, 7, 9, 11]])
 
 

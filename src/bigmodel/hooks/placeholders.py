@@ -101,12 +101,8 @@ class OffloadedParameter(nn.Parameter):
 @contextlib.contextmanager
 def placeholders_stay_meta() -> Iterator[None]:
     """Inside the context (this thread), ops on placeholders never load values: they act on ``meta``."""
-    previous = getattr(_LOCAL, "stay_meta", False)
-    _LOCAL.stay_meta = True
-    try:
+    with _flag_set("stay_meta"):
         yield
-    finally:
-        _LOCAL.stay_meta = previous
 
 
 @contextlib.contextmanager
@@ -119,12 +115,19 @@ def placeholders_report_execution_device() -> Iterator[None]:
     Everything else about the placeholder is unchanged: it is still on ``meta`` (``is_meta``,
     ``state_dict()``), and an op that uses it loads its value as outside the context.
     """
-    previous = getattr(_LOCAL, "report_device", False)
-    _LOCAL.report_device = True
+    with _flag_set("report_device"):
+        yield
+
+
+@contextlib.contextmanager
+def _flag_set(name: str) -> Iterator[None]:
+    """Thread-local flag ``name`` True inside the context, as it was after it."""
+    previous = getattr(_LOCAL, name, False)
+    setattr(_LOCAL, name, True)
     try:
         yield
     finally:
-        _LOCAL.report_device = previous
+        setattr(_LOCAL, name, previous)
 
 
 def _execution_device(placeholder: torch.Tensor) -> torch.device | None:
