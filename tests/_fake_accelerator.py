@@ -166,9 +166,9 @@ class FakeAccelerator:
 def install(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
     """Make bigmodel's transfer layer treat ``cpu`` as an accelerator with the simulated streams above.
 
-    The shared prefetch worker is drained first: a read-ahead still queued by an earlier test's model
+    bigmodel's background workers are drained first: a read-ahead still queued by an earlier test's model
     would otherwise run on the fake and could take a failure injected with ``fail_next_copy``."""
-    _drain_prefetch_worker()
+    drain_workers()
     fake = FakeAccelerator()
     fake.compute = FakeStream(fake, "compute")
     fake._local.stream = fake.compute
@@ -203,8 +203,6 @@ def drain_workers(timeout_s: float = 60.0) -> None:
     for name in ("bigmodel-prefetch", "bigmodel-readahead", "bigmodel-resident"):
         worker(name).submit(lambda: None).result(timeout=timeout_s)
 
-
-_drain_prefetch_worker = drain_workers
 
 
 def dispatch_as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -118,7 +118,6 @@ class Prefetcher:
         self._trusted: dict[int, int] = {}  # id(hook) → turns left before its residency is asked again
         self._probes: dict[int, list] = {}  # id(hook) → spans of its values (found in RAM), asked without reading them
         self._steady: dict[int, list[int]] = {}  # index → ids of the CPU hooks ahead of it, read in place
-        self._cpu_of: dict[int, tuple[Any, bool]] = {}  # id(hook) → (its execution_device, runs on the CPU)
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
         self.readahead = ReadAhead(self.read)  # storage reads ahead of the page faults (file-backed values)
 
@@ -157,21 +156,13 @@ class Prefetcher:
         dropped.
         """
         future = self._pending.pop(id(hook), None)
-        if not read and self.in_place and self._runs_on_cpu(hook):
+        if not read and self.in_place and _on_cpu(hook.device):
             return None
         if future is not None and not (self.in_place and not future.done() and _on_cpu(hook.device)):
             result = future.result()
             if result is not None:
                 return result.wait() if hasattr(result, "wait") else result
         return self.read(hook)
-
-    def _runs_on_cpu(self, hook: Any) -> bool:
-        """Whether ``hook`` executes on the CPU (remembered per hook while its ``execution_device`` is the same object)."""
-        spec = hook.execution_device
-        cached = self._cpu_of.get(id(hook))
-        if cached is None or cached[0] is not spec:
-            cached = self._cpu_of[id(hook)] = (spec, _on_cpu(hook.device))
-        return cached[1]
 
     def schedule_after(self, hook: Any) -> None:
         """Called when ``hook``'s module starts: stage the next modules in the execution order
