@@ -34,11 +34,11 @@ from ..checkpoints.files import (
     resolve_checkpoint_files,
 )
 from ..checkpoints.gguf import GGUFCheckpoint, is_gguf
+from ..core.coverage import check_covered
 from ..core.devices import DeviceSpec
 from ..core.progress import ByteProgress
 from ..core.sizes import floating_dtype
 from ..core.tensors import (
-    check_covered,
     device_of,
     find_tied_parameters,
     hold_meta_placeholder,

@@ -43,6 +43,11 @@ def load_mincore() -> Callable | None:
 MINCORE = load_mincore()
 _SYSTEM_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else PAGE_BYTES
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0 of a page's byte when it is resident
+
+
+def all_in_ram(vec: bytes) -> bool:
+    """True if every page of a ``mincore`` result vector (one byte per page) is resident."""
+    return b"\x00" not in vec.translate(_LOW_BIT)
 _WINDOWS = 2  # pages_resident samples this many windows of a large tensor (first and last) ...
 _WINDOW_PAGES = 32  # ... of this many pages each
 
@@ -73,6 +78,6 @@ def pages_resident(tensor: torch.Tensor) -> bool:
         windows = [(start + i * step * _SYSTEM_PAGE, _WINDOW_PAGES) for i in range(_WINDOWS)]
     vec = ctypes.create_string_buffer(max(count for _, count in windows))
     for address, count in windows:
-        if MINCORE(address, count * _SYSTEM_PAGE, vec) != 0 or b"\x00" in vec.raw[:count].translate(_LOW_BIT):
+        if MINCORE(address, count * _SYSTEM_PAGE, vec) != 0 or not all_in_ram(vec.raw[:count]):
             return False
     return True

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..core.workers import worker
+from .pages import all_in_ram
 
 logger = logging.getLogger(__name__)
 
@@ -176,12 +177,9 @@ def resident(spans: Iterable[Span], last: bool = True) -> bool:
             count = min(pages, _SAMPLE_PAGES)
             if _LIBC.mincore(ctypes.c_void_p(start), count * _PAGE, vec) != 0:
                 return False
-            if b"\x00" in vec.raw[:count].translate(_LOW_BIT):
+            if not all_in_ram(vec.raw[:count]):
                 return False
     return True
-
-
-_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0 of a page's byte when it is resident
 
 
 def pieces(span: Span) -> list[Span]:

@@ -24,8 +24,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..core.coverage import check_covered, is_covered
 from ..core.devices import DeviceSpec, normalize_device
-from ..core.tensors import check_covered, get_non_persistent_buffers, is_covered
+from ..core.tensors import get_non_persistent_buffers
 from .fill import (
     Placed,
     PlanContext,
