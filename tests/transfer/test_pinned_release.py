@@ -74,6 +74,15 @@ def test_failed_pinning_frees_the_arenas_already_pinned_and_trims(fake, caplog):
     assert "BIGMODEL_PIN_MEMORY=0" in caplog.text
 
 
+def _settle(fake) -> None:
+    """Let the background workers finish their queued jobs, *then* the simulated device run the copies
+    they queued.  The other order left a copy that the prefetch thread queued after ``fake.drain()``
+    holding a pinned arena until after the model's release trim (CI failure of cec2df7; reproduced by
+    :func:`test_deleting_a_dispatched_model_gives_its_pinned_memory_back` with ``slow_prefetch``)."""
+    drain_workers()
+    fake.drain()
+
+
 def _all_expired(fake, arenas: list[int], wait_s: float = 2.0) -> bool:
     """True once every arena in ``arenas`` is freed, collecting garbage and letting the simulated device
     and the background workers finish what is queued (the full suite failed this check twice right after
@@ -85,13 +94,32 @@ def _all_expired(fake, arenas: list[int], wait_s: float = 2.0) -> bool:
             return True
         if time.monotonic() > deadline:
             return False
-        fake.drain()
-        drain_workers()
+        _settle(fake)
         time.sleep(0.05)
 
 
+def _slow_prefetch(monkeypatch, delay_s: float = 0.05) -> None:
+    """Every job of the prefetch thread starts ``delay_s`` late, as on a loaded machine: the job queued for
+    the next forward is then still running when the test looks."""
+    from bigmodel.core.workers import worker
+
+    executor = worker("bigmodel-prefetch")
+    submit = executor.submit
+
+    def late(fn, *args, **kwargs):
+        def run():
+            time.sleep(delay_s)
+            return fn(*args, **kwargs)
+        return submit(run)
+
+    monkeypatch.setattr(executor, "submit", late)
+
+
+@pytest.mark.parametrize("slow_prefetch", [False, True], ids=["", "slow-prefetch"])
 @pytest.mark.parametrize("kind", ["cpu_offload", "dispatch"])
-def test_deleting_a_dispatched_model_gives_its_pinned_memory_back(fake, kind):
+def test_deleting_a_dispatched_model_gives_its_pinned_memory_back(fake, kind, slow_prefetch, monkeypatch):
+    if slow_prefetch:
+        _slow_prefetch(monkeypatch)
     torch.manual_seed(0)
     model = Net().eval()
     with torch.no_grad():
@@ -105,8 +133,7 @@ def test_deleting_a_dispatched_model_gives_its_pinned_memory_back(fake, kind):
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(X), expected)
-    fake.drain()  # the device catches up with every queued copy
-    drain_workers()  # a read ahead still running on a background thread holds its values until it ends
+    _settle(fake)
     arenas = list(range(len(fake.pinned)))
     del model
     assert _all_expired(fake, arenas), "the pinned arenas outlive the model"
