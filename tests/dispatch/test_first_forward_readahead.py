@@ -4,7 +4,8 @@ Before any forward has run, the prefetcher follows the order of the modules in t
 decoder stack's blocks are registered in the order they run); the first forward records the
 actual order, which replaces the guess from the second forward on.  Counted here, never timed:
 ``madvise(WILLNEED)`` calls (through ``readahead.will_need``) are recorded in order, together with
-the start of each block's forward.
+the start of each block's forward.  From the second forward on (the order recorded), reading ahead
+begins when the model's own forward starts, while the embeddings run before the first disk block.
 """
 
 from __future__ import annotations
@@ -160,3 +161,25 @@ def test_a_wrong_guess_is_replaced_by_the_recorded_order(tmp_path, monkeypatch):
     assert [name for name, _ in starts] == run_order
     for k, (name, advised) in enumerate(starts[1:], start=1):
         assert advised == set(run_order[: k + 1]), (name, starts)
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["first-forward", "order-recorded"])
+def test_reading_ahead_begins_when_the_models_forward_starts(folder, tmp_path, monkeypatch, recorded):
+    monkeypatch.delenv(readahead.ENV, raising=False)
+    model, spans_of = _cold_llama(folder, tmp_path)
+    with torch.no_grad():
+        if recorded:
+            model(IDS)
+            model(IDS)  # the second forward ends the recording of the order
+            for spans in spans_of.values():
+                readahead.release(spans)
+            drop(folder / "model.safetensors")
+    advice = Advice(monkeypatch, {"embed": model.model.embed_tokens, **{name: model.get_submodule(name) for name in BLOCKS}})
+    with torch.no_grad():
+        got = model(IDS).logits
+        reference = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        assert torch.equal(got, reference(IDS).logits)
+    starts = advice.advised_before_each_start(spans_of)
+    assert [name for name, _ in starts] == ["embed", *BLOCKS]
+    assert BLOCKS[0] in starts[0][1], starts  # the first disk block was asked for before the embeddings ran
+    assert len([kind for kind, _ in advice.events if kind == "need"]) == len(BLOCKS)  # once each: one pass

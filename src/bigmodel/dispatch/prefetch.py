@@ -208,6 +208,14 @@ class Prefetcher:
         if not order.recording and len(in_place) == len(ahead):
             self._steady[index] = in_place
 
+    def forward_starts(self) -> None:
+        """The model's own forward starts (its root hook): the storage read-ahead of the first offloaded
+        modules begins now rather than when the first of them starts (along the guessed order at the
+        first forward; not at the second, which replaces the guess by the recorded order)."""
+        order = self.order
+        if order.refs and (not order.recording or order.at_start):
+            self.readahead.start(order.refs)
+
     def _countdown(self, keys: list[int] | None) -> bool:
         """One more turn for each of the modules ``keys`` (found in RAM) without asking the kernel: what
         :meth:`_read_ahead_in_place` does for them; False (nothing counted) when one is due to be asked."""
@@ -337,7 +345,8 @@ def enable_prefetch(
 
     depth = _configured_depth(depth)
     hooks = [hook for module in model.modules() if (hook := loading_hook_of(module)) is not None]
-    for hook in hooks:
+    root = _root_hook(model)
+    for hook in [*hooks, root] if root is not None else hooks:
         hook.prefetcher = None
     if depth == 0 or len(hooks) < 2:
         return None
@@ -345,11 +354,22 @@ def enable_prefetch(
     members = {id(member) for hook in hooks for _, member in getattr(hook, "members", ())}
     guess = [hook for hook in hooks if id(hook) not in members]
     prefetcher = Prefetcher(depth, stage if stage is not None else globals()["stage"], min_bytes, guess)
-    for hook in hooks:
-        hook.prefetcher = prefetcher
+    for hook in [*hooks, root] if root is not None else hooks:
+        hook.prefetcher = prefetcher  # the root hook (no weights of its own) tells when a forward starts
     if callable(getattr(prefetcher.stage, "close", None)):  # its buffers go back with the model
         weakref.finalize(model, _close_stage, weakref.ref(prefetcher.stage)).atexit = False
     return prefetcher
+
+
+def _root_hook(model: nn.Module) -> Any:
+    """The model's own AlignDevicesHook when it puts no weights in (dispatch_model's main-device hook), else None."""
+    from ..hooks.align_hook import AlignDevicesHook
+    from ..hooks.registry import iter_hooks
+
+    for hook in iter_hooks(model.__dict__.get("_hf_hook")):
+        if isinstance(hook, AlignDevicesHook) and not hook.swaps_weights:
+            return hook
+    return None
 
 
 def _close_stage(ref: weakref.ref) -> None:

@@ -327,6 +327,8 @@ class AlignDevicesHook(ModelHook):
                 self.load_weights(module, staged)
             if self.prefetcher is not None:
                 self.prefetcher.schedule_after(self)
+        elif self.prefetcher is not None:  # the model's own hook: its forward starts
+            self.prefetcher.forward_starts()
         return send_inputs_to_device(args, kwargs, self.device, self.skip_keys)
 
     def _load_members(self, module: nn.Module, staged: Mapping[str, torch.Tensor] | None) -> None:

@@ -242,13 +242,25 @@ class ReadAhead:
         self._retained = 0  # modules 0 .. _retained - 1 of the order are never released
         self._probes: list[int] = []
         self._ahead = 0  # order positions < _ahead have been advised in this pass
+        self._early = False  # this pass was begun by start(), before order[0]'s module started
         self.enabled = supported() and os.environ.get(ENV, "1").strip() != "0"
         self._lock = threading.Lock()  # forwards of one model from several threads share this state
 
     def reset(self) -> None:
         """Forget the spans (call when a weights map's values change)."""
         with self._lock:
-            self._spans, self.active, self.streaming = None, False, False
+            self._spans, self.active, self.streaming, self._early = None, False, False, False
+
+    def start(self, order: Sequence[Any]) -> None:
+        """The model's forward starts, before ``order[0]()``'s module: begin the pass now, so that the first
+        offloaded modules are read while the modules before them (embeddings, resident layers) compute.
+        The first offloaded module's own start then goes on with this pass instead of beginning another
+        (during the first forward too, along the guessed order), unless :meth:`reset` came between."""
+        if self.enabled:
+            with self._lock:
+                self._early = False
+                self._advance(order, 0, new_pass=True)
+                self._early = True
 
     def advance(self, order: Sequence[Any], index: int, new_pass: bool = False) -> None:
         """Module ``order[index]()`` starts: read ahead of it, release the one before it (see :meth:`_advance`)."""
@@ -266,8 +278,9 @@ class ReadAhead:
             new_pass: this module starts a forward although it is not ``order[0]`` (the first
                 forward, run along a guessed order).  ``index == 0`` always starts one.
         """
-        if index == 0 or new_pass:
+        if (new_pass or index == 0) and not self._early:  # a pass start() began goes on (reset() ends it)
             self._new_pass(order)
+        self._early = False
         if not self.active:
             return
         count = len(order)
