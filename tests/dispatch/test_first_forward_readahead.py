@@ -3,18 +3,20 @@
 Before any forward has run, the prefetcher follows the order of the modules in the model (a
 decoder stack's blocks are registered in the order they run); the first forward records the
 actual order, which replaces the guess from the second forward on.  Counted here, never timed:
-``madvise(WILLNEED)`` calls (through ``readahead.will_need``) are recorded in order, together with
+the spans asked for (``readahead.InOrder.read``, which calls ``madvise(WILLNEED)``) are recorded in order, together with
 the start of each block's forward.  From the second forward on (the order recorded), reading ahead
 begins when the model's own forward starts, while the embeddings run before the first disk block.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from _fake_accelerator import drain_workers
 from _page_cache import drop, write_wide_llama
 from torch import nn
 
@@ -38,18 +40,18 @@ def folder(tmp_path_factory) -> Path:
 
 
 class Advice:
-    """Records, in order, the spans passed to ``will_need`` and the start of each watched module's forward."""
+    """Records, in order, the spans asked for (``InOrder.read``) and the start of each watched module's forward."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, modules: dict[str, nn.Module]) -> None:
         self.events: list[tuple[str, object]] = []
-        will_need = readahead.will_need
+        read = readahead.InOrder.read
 
-        def recording(spans):
+        def recording(reads, spans, keep=None):
             spans = list(spans)
             self.events.append(("need", spans))
-            will_need(spans)
+            read(reads, spans, keep)
 
-        monkeypatch.setattr(readahead, "will_need", recording)
+        monkeypatch.setattr(readahead.InOrder, "read", recording)
         for name, module in modules.items():
             module.register_forward_pre_hook(lambda m, args, name=name: self._started(name))
 
@@ -77,6 +79,8 @@ def _spans_of(model: nn.Module, names: list[str]) -> dict[str, set]:
 
 
 def _cold_llama(folder: Path, tmp_path: Path) -> tuple[nn.Module, dict[str, set]]:
+    gc.collect()
+    drain_workers()  # a read ahead for an earlier test's model maps the file until it ends: no page would drop
     config = transformers.AutoConfig.from_pretrained(str(folder))
     with init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(config)

@@ -105,3 +105,36 @@ def test_will_need_reads_all_of_a_span_longer_than_one_advice_reads(tmp_path):
         time.sleep(0.01)
     assert readahead.resident(spans)
     assert torch.equal(mapped[-3:], torch.arange(3 * step // 4 + 997, 3 * step // 4 + 1000, dtype=torch.float32))
+
+
+def test_in_order_reads_ask_in_order_with_at_most_a_window_in_flight(tmp_path, monkeypatch):
+    """A deep queue of reads completes in no order: InOrder asks for the next piece only once the
+    pieces before it, but for ``window`` bytes, have arrived, and returns from ``wait`` with all in RAM."""
+    mapped, _ = _mapped(tmp_path, mib=40)
+    spans = readahead.file_spans([mapped], readahead.file_mappings())
+    pieces = [piece for span in spans for piece in readahead.pieces(span)]
+    assert len(pieces) >= 4  # several pieces (one per read_ahead_kb of the device), so the window matters
+    reads = readahead.InOrder(window=2 * pieces[0][1])  # two pieces in flight at most
+    events, will_need, arrived = [], readahead.will_need, readahead.InOrder._arrived
+
+    def asking(spans):
+        spans = list(spans)
+        events.append(("ask", spans[0], sum(length for (_, length), _keep in reads._in_flight)))
+        will_need(spans)
+
+    def waiting(self):
+        events.append(("arrived", self._in_flight[0][0], None))
+        arrived(self)
+
+    monkeypatch.setattr(readahead, "will_need", asking)
+    monkeypatch.setattr(readahead.InOrder, "_arrived", waiting)
+    reads.read(spans, keep=mapped)
+    reads.wait()
+    asked = [piece for kind, piece, _ in events if kind == "ask"]
+    assert asked == pieces  # in order, each once
+    assert [piece for kind, piece, _ in events if kind == "arrived"] == pieces  # all waited for, in order
+    for kind, piece, in_flight in events:
+        if kind == "ask":
+            assert in_flight == 0 or in_flight + piece[1] <= reads.window, events  # the window bounds the queue
+    assert readahead.resident(spans)
+    assert torch.equal(mapped[-3:], torch.arange(40 * 2**18 - 3, 40 * 2**18, dtype=torch.float32))

@@ -119,7 +119,7 @@ class Prefetcher:
         self._probes: dict[int, list] = {}  # id(hook) → spans of its values (found in RAM), asked without reading them
         self._steady: dict[int, list[int]] = {}  # index → ids of the CPU hooks ahead of it, read in place
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
-        self.readahead = ReadAhead(self.read)  # storage reads ahead of the page faults (file-backed values)
+        self.readahead = ReadAhead(_weak_read(self))  # storage reads ahead of the page faults (file-backed values)
 
     def __deepcopy__(self, memo: dict) -> Prefetcher:
         """A fresh prefetcher with the same settings (a copied model learns its own order; nothing staged)."""
@@ -307,6 +307,18 @@ class Prefetcher:
         self._probes.clear()
         self._steady.clear()
         self.readahead.reset()
+
+
+def _weak_read(prefetcher: Prefetcher) -> Callable[[Any], dict[str, torch.Tensor]]:
+    """``prefetcher.read`` without a reference to it: its read-ahead, which keeps the views it reads, is
+    then in no reference cycle, and a deleted model's weights are freed at once."""
+    ref = weakref.ref(prefetcher)
+
+    def read(hook: Any) -> dict[str, torch.Tensor]:
+        owner = ref()
+        return {} if owner is None else owner.read(hook)
+
+    return read
 
 
 def _on_cpu(device: torch.device | None) -> bool:

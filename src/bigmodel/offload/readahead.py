@@ -3,11 +3,12 @@
 Offloaded values backed by files (safetensors entries, ``.dat`` files of an offload folder)
 are memory-mapped views.  Read through page faults, a cold view is read in small,
 one-at-a-time requests.  :class:`ReadAhead` instead tells the kernel, for exactly the byte
-ranges of the modules about to run, that they are needed (``madvise(MADV_WILLNEED)``: the
-kernel queues large reads and returns; one call per ``read_ahead_kb`` of the device, the most
-the kernel reads for one call, see :func:`advice_bytes`), a bounded number of bytes
-ahead of the module running now (``window`` bytes: page cache used by reads ahead stays
-bounded).  When the offloaded bytes exceed what the page cache can hold, a module's ranges are
+ranges of the modules about to run, that they are needed (``madvise(MADV_WILLNEED)``, one call
+per ``read_ahead_kb`` of the device, see :func:`advice_bytes`), in execution order with at most
+``IN_FLIGHT_BYTES`` asked for and not arrived (:class:`InOrder`), up to ``window`` bytes ahead of
+the module running now (page cache used by reads ahead stays bounded); from the model's forward
+start on (:meth:`ReadAhead.start`), so the first offloaded module is read while the ones before
+it compute.  When the offloaded bytes exceed what the page cache can hold, a module's ranges are
 released once it has run (``madvise(MADV_PAGEOUT)``, else ``MADV_COLD``: clean file pages are
 dropped, so the kernel does not evict what is needed next instead), except for a prefix of the
 execution order that fits in half of the available memory and stays cached from one forward to
@@ -25,6 +26,7 @@ microseconds per forward and one attribute check per module.
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import ctypes.util
 import logging
@@ -51,6 +53,7 @@ RETAIN_FRACTION = 0.5  # of the available memory, for the prefix kept cached bet
 STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory: release after use
 _SAMPLE_PAGES = 16
 MIN_ADVICE_BYTES = 128 << 10  # one WILLNEED per this many bytes where the device's read-ahead size is unknown
+IN_FLIGHT_BYTES = 64 << 20  # bytes asked for and not yet arrived, at most (InOrder)
 
 Span = tuple[int, int]  # (page-aligned address, length in bytes)
 
@@ -209,6 +212,52 @@ def release(spans: Iterable[Span]) -> None:
             _LIBC.madvise(ctypes.c_void_p(address), length, MADV_COLD)
 
 
+class InOrder:
+    """Asks for spans piece by piece (:func:`will_need`), in the order given, with at most ``window``
+    bytes asked for and not yet arrived: the oldest piece is waited for before the next is asked.
+
+    A deep queue of reads completes in no particular order (a disk serves its queued requests side
+    by side): with 600 MB asked for at once, the second module of a cold forward arrived with the
+    sixth.  Kept short, the queue still keeps the disk busy, and modules arrive in the order they
+    run.  Waiting reads one byte per page of the piece (torch, without the GIL): its pages are
+    then mapped too, so the forward takes no page fault on them.  Used from one thread at a time.
+
+    Args:
+        window: bytes in flight at most (at least one piece is always in flight).
+    """
+
+    def __init__(self, window: int = IN_FLIGHT_BYTES) -> None:
+        self.window = window
+        self._in_flight: collections.deque[tuple[Span, object]] = collections.deque()
+        self._waiting = 0
+
+    def read(self, spans: Iterable[Span], keep: object = None) -> None:
+        """Ask for ``spans`` after everything asked for before.
+
+        Args:
+            spans: page-aligned spans of file-backed mappings.
+            keep: what holds those mappings (the tensors): kept until the pieces have arrived.
+        """
+        for span in spans:
+            for piece in pieces(span):
+                while self._in_flight and self._waiting + piece[1] > self.window:
+                    self._arrived()
+                will_need([piece])
+                self._in_flight.append((piece, keep))
+                self._waiting += piece[1]
+
+    def wait(self) -> None:
+        """Return once every piece asked for has arrived."""
+        while self._in_flight:
+            self._arrived()
+
+    def _arrived(self) -> None:
+        (address, length), _ = self._in_flight.popleft()
+        view = torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
+        view[::_PAGE].sum()
+        self._waiting -= length
+
+
 def available_memory() -> int:
     """``MemAvailable`` from ``/proc/meminfo`` in bytes (0 when unknown)."""
     try:
@@ -245,11 +294,13 @@ class ReadAhead:
         self._early = False  # this pass was begun by start(), before order[0]'s module started
         self.enabled = supported() and os.environ.get(ENV, "1").strip() != "0"
         self._lock = threading.Lock()  # forwards of one model from several threads share this state
+        self._reads = InOrder()  # used on the read-ahead thread only
+        self._values: list[dict[str, torch.Tensor]] = []  # the views the spans lie in (keeps their mappings)
 
     def reset(self) -> None:
         """Forget the spans (call when a weights map's values change)."""
         with self._lock:
-            self._spans, self.active, self.streaming, self._early = None, False, False, False
+            self._spans, self.active, self.streaming, self._early, self._values = None, False, False, False, []
 
     def start(self, order: Sequence[Any]) -> None:
         """The model's forward starts, before ``order[0]()``'s module: begin the pass now, so that the first
@@ -284,7 +335,7 @@ class ReadAhead:
         if not self.active:
             return
         count = len(order)
-        jobs: list[tuple[Callable, list[Span]]] = []
+        jobs: list[tuple[Callable, list[Span], object]] = []
         ahead = sum(self._bytes[index + 1:self._ahead])
         position = max(self._ahead, index)
         while position < count:
@@ -292,12 +343,12 @@ class ReadAhead:
                 if ahead + self._bytes[position] > self.window:
                     break
                 ahead += self._bytes[position]
-            jobs.append((will_need, self._spans[position]))  # type: ignore[index]
+            jobs.append((self._reads.read, self._spans[position], self._values))  # type: ignore[index]
             position += 1
         self._ahead = max(self._ahead, position)
         previous = index - 1
         if self.streaming and previous >= self._retained:
-            jobs.append((release, self._spans[previous]))  # type: ignore[index]
+            jobs.append((_release, self._spans[previous], self._values))  # type: ignore[index]
         if jobs:
             _executor().submit(_run, [job for job in jobs if job[1]])
 
@@ -317,6 +368,7 @@ class ReadAhead:
         values = [self.read(hook) if (hook := ref()) is not None else {} for ref in order]
         mappings = file_mappings()  # after the reads: they map the files not mapped yet (lazily opened shards)
         self._spans = [file_spans(tensors.values(), mappings) for tensors in values]
+        self._values = [tensors if spans else {} for tensors, spans in zip(values, self._spans)]  # file-backed only
         self._bytes = [sum(length for _, length in spans) for spans in self._spans]
         with_bytes = [i for i, size in enumerate(self._bytes) if size]
         self._probes = with_bytes[:: -(-len(with_bytes) // PROBES) or 1]  # at most PROBES, spread over the order
@@ -337,6 +389,10 @@ class ReadAhead:
                       f"releasing used modules after the first {self._retained}" if self.streaming else "no release")
 
 
-def _run(jobs: list[tuple[Callable, list[Span]]]) -> None:
-    for fn, spans in jobs:
-        fn(spans)
+def _release(spans: list[Span], keep: object) -> None:
+    release(spans)  # ``keep`` (the views) holds the mappings until the job has run
+
+
+def _run(jobs: list[tuple[Callable, list[Span], object]]) -> None:
+    for fn, spans, keep in jobs:
+        fn(spans, keep)

@@ -12,8 +12,6 @@ into anonymous memory and no value changes; only file-backed mappings are advise
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import logging
 import os
 from collections.abc import Iterable
@@ -28,7 +26,6 @@ from .readahead import Span
 logger = logging.getLogger(__name__)
 
 WINDOW_BYTES = 64 << 20  # bytes asked for and not yet read, at most
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -76,25 +73,8 @@ def read_resident(groups: Iterable[Iterable[torch.Tensor]], available: int | Non
 
 
 def _read_in_order(spans: list[Span], window: int, keep: list[torch.Tensor]) -> None:
-    """Advise the spans' pieces in order, waiting for the oldest to arrive while ``window`` bytes are in flight.
-
-    ``keep`` holds the tensors (hence their file mappings) while their pages are read.  Returns
-    when every page has arrived (and is mapped: the forward takes no page fault on it)."""
-    in_flight: collections.deque[Span] = collections.deque()
-    waiting = 0
-    for span in spans:
-        for piece in readahead.pieces(span):
-            while in_flight and waiting + piece[1] > window:
-                waiting -= _arrived(*in_flight.popleft())
-            readahead.will_need([piece])
-            in_flight.append(piece)
-            waiting += piece[1]
-    while in_flight:
-        _arrived(*in_flight.popleft())
-
-
-def _arrived(address: int, length: int) -> int:
-    """Read one byte per page of the range (torch, without the GIL): returns once its reads are done."""
-    view = torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
-    view[::PAGE_BYTES].sum()
-    return length
+    """Ask for the spans in order with ``window`` bytes in flight at most (:class:`readahead.InOrder`), and
+    return once every page has arrived (and is mapped: the forward takes no page fault on it)."""
+    reads = readahead.InOrder(window)
+    reads.read(spans, keep)
+    reads.wait()
