@@ -289,7 +289,7 @@ class ReadAhead:
         self._spans: list[list[Span]] | None = None
         self._bytes: list[int] = []
         self._retained = 0  # modules 0 .. _retained - 1 of the order are never released
-        self._probes: list[int] = []
+        self._probes: list[Span] = []  # the first span of at most PROBES modules spread over the order
         self._ahead = 0  # order positions < _ahead have been advised in this pass
         self._early = False  # this pass was begun by start(), before order[0]'s module started
         self.enabled = supported() and os.environ.get(ENV, "1").strip() != "0"
@@ -360,7 +360,7 @@ class ReadAhead:
         if was:  # while reading ahead: every module's spans (the I/O dominates this check)
             self.active = not all(resident(spans) for spans in self._spans or [])
         else:  # a few modules spread over the order, first pages only: microseconds
-            self.active = any(not resident(self._spans[i][:1], last=False) for i in self._probes)  # type: ignore[index]
+            self.active = not resident(self._probes, last=False)
         if self.active and not was:
             self._plan()
 
@@ -371,7 +371,7 @@ class ReadAhead:
         self._values = [tensors if spans else {} for tensors, spans in zip(values, self._spans)]  # file-backed only
         self._bytes = [sum(length for _, length in spans) for spans in self._spans]
         with_bytes = [i for i, size in enumerate(self._bytes) if size]
-        self._probes = with_bytes[:: -(-len(with_bytes) // PROBES) or 1]  # at most PROBES, spread over the order
+        self._probes = [self._spans[i][0] for i in with_bytes[:: -(-len(with_bytes) // PROBES) or 1]]  # <= PROBES modules
         self.window = max(self.window, max(self._bytes, default=0))
 
     def _plan(self) -> None:
