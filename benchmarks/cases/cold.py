@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from .. import fixtures, pagecache
-from ._llama import empty_llama, input_ids, names_on, plain_llama, safetensors_names, safetensors_ranges
+from ._llama import (
+    empty_llama,
+    input_ids,
+    names_on,
+    plain_llama,
+    safetensors_names,
+    safetensors_ranges,
+)
 from .base import Case, Metric, Metrics
 
 VOCAB = fixtures.LLAMA_2GB["vocab_size"]
