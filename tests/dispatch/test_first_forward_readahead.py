@@ -78,9 +78,17 @@ def _spans_of(model: nn.Module, names: list[str]) -> dict[str, set]:
     return {name: set(readahead.file_spans(tensors, mappings)) for name, tensors in values.items()}
 
 
+def _make_cold(folder: Path, spans_of: dict[str, set]) -> None:
+    """Drop the disk blocks' pages from this process and from the page cache; checks they are out."""
+    drain_workers()  # a read ahead still running maps the file's pages until it ends: they would not drop
+    for spans in spans_of.values():
+        readahead.release(spans)
+    drop(folder / "model.safetensors")
+    assert not any(readahead.resident(sorted(spans)[:1]) for spans in spans_of.values())
+
+
 def _cold_llama(folder: Path, tmp_path: Path) -> tuple[nn.Module, dict[str, set]]:
-    gc.collect()
-    drain_workers()  # a read ahead for an earlier test's model maps the file until it ends: no page would drop
+    gc.collect()  # an earlier test's model, whose mapping would keep the file's pages
     config = transformers.AutoConfig.from_pretrained(str(folder))
     with init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -88,10 +96,7 @@ def _cold_llama(folder: Path, tmp_path: Path) -> tuple[nn.Module, dict[str, set]
     model = load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
     spans_of = _spans_of(model, BLOCKS)
     assert all(spans_of.values())  # the disk blocks are served from the checkpoint's file mapping
-    for spans in spans_of.values():
-        readahead.release(spans)
-    drop(folder / "model.safetensors")
-    assert not any(readahead.resident(sorted(spans)[:1]) for spans in spans_of.values())
+    _make_cold(folder, spans_of)
     return model, spans_of
 
 
@@ -175,9 +180,7 @@ def test_reading_ahead_begins_when_the_models_forward_starts(folder, tmp_path, m
         if recorded:
             model(IDS)
             model(IDS)  # the second forward ends the recording of the order
-            for spans in spans_of.values():
-                readahead.release(spans)
-            drop(folder / "model.safetensors")
+            _make_cold(folder, spans_of)
     advice = Advice(monkeypatch, {"embed": model.model.embed_tokens, **{name: model.get_submodule(name) for name in BLOCKS}})
     with torch.no_grad():
         got = model(IDS).logits
