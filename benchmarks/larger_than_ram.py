@@ -100,12 +100,15 @@ def _group(name: str) -> str:
 
 
 def _drop_file(path: Path) -> None:
+    """Write ``path`` out, then drop its pages (it was just written: dirty pages are not dropped)."""
+    from . import pagecache
+
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    pagecache.drop(pagecache.whole_files([path]))
 
 
 def _from_pool(pool, dims: tuple[int, ...], gen):

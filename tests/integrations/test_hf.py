@@ -90,9 +90,9 @@ def test_disk_without_offload_folder_is_refused_before_loading(tiny: Path) -> No
 
 
 def test_folder_errors(tiny: Path, tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"does not exist; pass a model folder or its config\.json"):
+    with pytest.raises(FileNotFoundError, match=r"does not exist; pass a model folder, its config\.json, or a \.gguf file"):
         resolve_model_folder(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match=r"No config\.json in .*model\.save_pretrained"):
+    with pytest.raises(FileNotFoundError, match=r"No config\.json in .*model\.save_pretrained\(folder\), or a \.gguf file"):
         load_pretrained(tmp_path)
     (tmp_path / "config.json").write_text((tiny / "config.json").read_text())
     with pytest.raises(ValueError, match=r"holds no weights"):

@@ -152,8 +152,9 @@ def test_disk_budget_is_honoured():
 
 
 def test_no_split_name_matching_nothing_warns_with_the_fix():
-    with pytest.warns(UserWarning, match=r"\['NoSuchLayer'\] match no module of Layers.*e\.g\. \[.*'Layer'"):
+    with pytest.warns(UserWarning, match=r"\['NoSuchLayer'\] match no module of Layers.*e\.g\. \[.*'Layer'") as caught:
         infer_auto_device_map(Layers(1), {0: 100}, no_split_module_classes=["NoSuchLayer"])
+    assert [w.filename for w in caught] == [__file__]  # attributed to the caller's line
 
 
 def test_no_split_module_moves_whole_to_the_next_device():

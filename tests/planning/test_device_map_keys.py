@@ -47,8 +47,8 @@ GOOD = {"layers.0": "cpu", "layers.1": "cpu", "head": "cpu"}
 def test_check_device_map_warns_naming_each_unknown_key(extra, named):
     with pytest.warns(UserWarning, match=MESSAGE) as caught:
         check_device_map(Net(), {**GOOD, **extra})
-    texts = [str(w.message) for w in caught if MESSAGE in str(w.message)]
-    assert texts == [f"{MESSAGE}: [{named}]"]
+    texts = [(str(w.message), w.filename) for w in caught if MESSAGE in str(w.message)]
+    assert texts == [(f"{MESSAGE}: [{named}]", __file__)]
 
 
 @pytest.mark.parametrize(
@@ -65,9 +65,10 @@ def test_dispatch_model_warns_and_still_runs():
     model = Net()
     x = torch.ones(1, 4)
     expected = model(x)
-    with pytest.warns(UserWarning, match=rf"{MESSAGE}: \['layers\.9'\]"):
+    with pytest.warns(UserWarning, match=rf"{MESSAGE}: \['layers\.9'\]") as caught:
         dispatched = dispatch_model(model, {**GOOD, "layers.9": "cpu"})
     assert torch.equal(dispatched(x), expected)
+    assert [w.filename for w in caught if MESSAGE in str(w.message)] == [__file__]  # the user's line, not bigmodel's
 
 
 def test_load_checkpoint_and_dispatch_warns(tmp_path):
@@ -76,8 +77,9 @@ def test_load_checkpoint_and_dispatch_warns(tmp_path):
     save_file(source.state_dict(), tmp_path / "model.safetensors")
     with init_empty_weights():
         model = Net()
-    with pytest.warns(UserWarning, match=rf"{MESSAGE}: \['lm_head'\]"):
+    with pytest.warns(UserWarning, match=rf"{MESSAGE}: \['lm_head'\]") as caught:
         model = load_checkpoint_and_dispatch(model, str(tmp_path), device_map={**GOOD, "lm_head": "cpu"})
+    assert {w.filename for w in caught if MESSAGE in str(w.message)} == {__file__}
     assert torch.equal(model.head.weight, source.head.weight)
 
 

@@ -78,12 +78,14 @@ def resolve_model_folder(path: str | os.PathLike) -> Path:
     if folder.is_file() and folder.name.endswith(".json"):
         folder = folder.parent if folder.name == "config.json" else folder
     if not folder.exists():
-        raise FileNotFoundError(f"Model path {str(folder)!r} does not exist; pass a model folder or its config.json.")
+        raise FileNotFoundError(
+            f"Model path {str(folder)!r} does not exist; pass a model folder, its config.json, or a .gguf file."
+        )
     config_file = folder if folder.is_file() else folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(
             f"No config.json in {str(folder)!r}; pass a Hugging Face model folder "
-            "(config.json + weights), e.g. one written by model.save_pretrained(folder)."
+            "(config.json + weights), e.g. one written by model.save_pretrained(folder), or a .gguf file."
         )
     return folder
 

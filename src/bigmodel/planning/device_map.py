@@ -27,6 +27,7 @@ from torch import nn
 from ..core.coverage import check_covered, is_covered
 from ..core.devices import DeviceSpec, normalize_device
 from ..core.tensors import get_non_persistent_buffers
+from ..core.warn import caller_stacklevel
 from .fill import (
     Placed,
     PlanContext,
@@ -58,7 +59,7 @@ def _no_split_set(model: nn.Module, no_split_module_classes: list[str] | str | N
     warnings.warn(
         f"no_split_module_classes {sorted(missing)} match no module of {type(model).__name__}; they have no "
         f"effect. Use class names that occur in the model, e.g. {present[:8]}.",
-        stacklevel=3,
+        stacklevel=caller_stacklevel(),
     )
     return names
 
@@ -257,7 +258,7 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, object]) -> None
     """
     unknown = unknown_device_map_keys(model, device_map)
     if unknown:
-        warnings.warn(f"{UNKNOWN_KEYS_WARNING}: {unknown}", UserWarning, stacklevel=2)
+        warnings.warn(f"{UNKNOWN_KEYS_WARNING}: {unknown}", UserWarning, stacklevel=caller_stacklevel())
     transient = get_non_persistent_buffers(model, recurse=True, fqns=True)
     names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
     names += [name for name, _ in model.named_buffers(remove_duplicate=False) if name not in transient]
