@@ -22,6 +22,7 @@ from torch import nn
 
 from bigmodel import disk_offload, init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks.align_hook import loading_hook_of
+from bigmodel.dispatch import prefetch
 from bigmodel.offload import readahead
 
 transformers = pytest.importorskip("transformers")
@@ -172,14 +173,18 @@ def test_a_wrong_guess_is_replaced_by_the_recorded_order(tmp_path, monkeypatch):
         assert advised == set(run_order[: k + 1]), (name, starts)
 
 
-@pytest.mark.parametrize("recorded", [False, True], ids=["first-forward", "order-recorded"])
-def test_reading_ahead_begins_when_the_models_forward_starts(folder, tmp_path, monkeypatch, recorded):
+@pytest.mark.parametrize("warm", [0, 2, 4], ids=["first-forward", "order-recorded", "quiet"])
+def test_reading_ahead_begins_when_the_models_forward_starts(folder, tmp_path, monkeypatch, warm):
+    """Also after warm forwards that found nothing to read ahead, whose followers skip the prefetch work
+    (``Prefetcher.quiet``): the first disk block's first page, out of RAM, ends the quiet forwards."""
     monkeypatch.delenv(readahead.ENV, raising=False)
     model, spans_of = _cold_llama(folder, tmp_path)
+    prefetcher = model._hf_hook.prefetcher
     with torch.no_grad():
-        if recorded:
+        for _ in range(warm):  # the second forward ends the recording of the order
             model(IDS)
-            model(IDS)  # the second forward ends the recording of the order
+        assert prefetcher.quiet == (warm > 3)
+        if warm:
             _make_cold(folder, spans_of)
     advice = Advice(monkeypatch, {"embed": model.model.embed_tokens, **{name: model.get_submodule(name) for name in BLOCKS}})
     with torch.no_grad():
@@ -190,3 +195,30 @@ def test_reading_ahead_begins_when_the_models_forward_starts(folder, tmp_path, m
     assert [name for name, _ in starts] == ["embed", *BLOCKS]
     assert BLOCKS[0] in starts[0][1], starts  # the first disk block was asked for before the embeddings ran
     assert len([kind for kind, _ in advice.events if kind == "need"]) == len(BLOCKS)  # once each: one pass
+
+
+def test_quiet_forwards_skip_the_prefetch_work_and_match(folder, tmp_path, monkeypatch):
+    """A warm forward that found nothing to stage or read ahead is followed by ``QUIET_FORWARDS`` forwards
+    whose block hooks call neither ``take`` nor ``schedule_after``; then one checks everything again."""
+    monkeypatch.delenv(readahead.ENV, raising=False)
+    model, _ = _cold_llama(folder, tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    calls: list[str] = []
+    for name in ("take", "schedule_after"):
+        real = getattr(prefetch.Prefetcher, name)
+        monkeypatch.setattr(prefetch.Prefetcher, name, lambda self, *a, real=real, name=name, **k: calls.append(name)
+                            or real(self, *a, **k))
+    prefetcher = model._hf_hook.prefetcher
+    per_forward = []
+    with torch.no_grad():
+        expected = reference(IDS).logits
+        for _ in range(3 + 2 * prefetch.RECHECK_EVERY):
+            calls.clear()
+            assert torch.equal(model(IDS).logits, expected)
+            per_forward.append((prefetcher.quiet, len(calls)))
+    assert [quiet for quiet, _ in per_forward[:3]] == [False] * 3  # recording, the order replaced, a first check
+    assert all(n == (0 if quiet else 2 * len(BLOCKS)) for quiet, n in per_forward), per_forward
+    runs = "".join("q" if quiet else "c" for quiet, _ in per_forward[2:])
+    assert runs.startswith("c" + "q" * prefetch.QUIET_FORWARDS + "c" + "q" * prefetch.QUIET_FORWARDS), runs
+    prefetcher.invalidate()  # a weights map changed: the next forward checks again
+    assert not prefetcher.quiet

@@ -10,7 +10,8 @@ from torch import nn
 
 from bigmodel import align_module_device, disk_offload, dispatch_model
 from bigmodel.dispatch import prefetch as _prefetch
-from bigmodel.dispatch.prefetch import Prefetcher, enable_prefetch, stage, touch_pages
+from bigmodel.dispatch.prefetch import Prefetcher, stage, touch_pages
+from bigmodel.dispatch.prefetch_setup import enable_prefetch
 
 
 class Chain(nn.Module):

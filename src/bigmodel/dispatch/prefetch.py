@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -47,7 +46,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..core.workers import worker
 from ..offload.pages import MINCORE as _MINCORE  # noqa: F401  (tests ask whether mincore exists)
@@ -63,6 +61,7 @@ DEFAULT_DEPTH = 1
 MAX_DEPTH = 2
 MIN_BYTES = 1 << 20  # bytes; smaller modules are not prefetched (a thread hand-off costs more than the read)
 RECHECK_EVERY = 8  # a CPU module found in RAM is asked again (``mincore``) only every this many turns
+QUIET_FORWARDS = RECHECK_EVERY - 1  # forwards without prefetch work after one that found nothing to do
 MAX_SMALL_AHEAD = 16  # below-threshold modules staged between two large ones (stages_small_modules)
 
 StageFn = Callable[..., Any]
@@ -120,6 +119,9 @@ class Prefetcher:
         self._steady: dict[int, list[int]] = {}  # index → ids of the CPU hooks ahead of it, read in place
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
         self.readahead = ReadAhead(_weak_read(self))  # storage reads ahead of the page faults (file-backed values)
+        self.quiet = False  # this forward has nothing to stage or read ahead: the hooks skip take and schedule_after
+        self._quiet_left = 0  # quiet forwards to come
+        self._calm = False  # this (checked) forward has found nothing to do so far
 
     def __deepcopy__(self, memo: dict) -> Prefetcher:
         """A fresh prefetcher with the same settings (a copied model learns its own order; nothing staged)."""
@@ -156,6 +158,8 @@ class Prefetcher:
         dropped.
         """
         future = self._pending.pop(id(hook), None)
+        if future is not None:
+            self._calm = False
         if not read and self.in_place and _on_cpu(hook.device):
             return None
         if future is not None and not (self.in_place and not future.done() and _on_cpu(hook.device)):
@@ -177,6 +181,7 @@ class Prefetcher:
         if changed:  # the recorded order replaces the guess: learn the read-ahead spans again along it
             self.readahead.reset()
             self._steady.clear()
+            self._calm = False
         index = order.position.get(id(hook))
         if index is None or self.depth <= 0:
             return
@@ -207,14 +212,34 @@ class Prefetcher:
             self._pending[id(target)] = _executor().submit(self._fetch, order.refs[j], context)
         if not order.recording and len(in_place) == len(ahead):
             self._steady[index] = in_place
+        if self._pending:
+            self._calm = False
 
     def forward_starts(self) -> None:
         """The model's own forward starts (its root hook): the storage read-ahead of the first offloaded
         modules begins now rather than when the first of them starts (along the guessed order at the
-        first forward; not at the second, which replaces the guess by the recorded order)."""
-        order = self.order
+        first forward; not at the second, which replaces the guess by the recorded order).
+
+        A forward that found nothing to stage or read ahead (CPU values used in place, all in RAM) is
+        followed by ``QUIET_FORWARDS`` *quiet* ones (:attr:`quiet`): the hooks neither take nor schedule
+        (the Python work of a warm decode step), while the first offloaded module's first page stays in
+        RAM (one ``mincore`` call at each start); then a forward checks everything again.
+        """
+        order, readahead = self.order, self.readahead
+        if self._calm and not self._pending and not readahead.active:
+            self._quiet_left = QUIET_FORWARDS
+        self._calm = False
+        if self._quiet_left > 0 and not self._pending and not readahead.active and readahead.first_resident():
+            self._quiet_left -= 1
+            self.quiet = True
+            return
+        if self.quiet:  # the quiet forwards end: each module in RAM is asked again now (none was for a while)
+            self._trusted.clear()
+        self.quiet, self._quiet_left = False, 0
         if order.refs and (not order.recording or order.at_start):
-            self.readahead.start(order.refs)
+            readahead.start(order.refs)
+        self._calm = self.in_place and not order.recording and not readahead.active and all(
+            hook is not None and _on_cpu(hook.device) for hook in (ref() for ref in order.refs))
 
     def _countdown(self, keys: list[int] | None) -> bool:
         """One more turn for each of the modules ``keys`` (found in RAM) without asking the kernel: what
@@ -303,6 +328,7 @@ class Prefetcher:
         for future in self._pending.values():
             future.cancel()
         self._pending.clear()
+        self.quiet, self._quiet_left, self._calm = False, 0, False
         self._trusted.clear()
         self._probes.clear()
         self._steady.clear()
@@ -323,67 +349,3 @@ def _weak_read(prefetcher: Prefetcher) -> Callable[[Any], dict[str, torch.Tensor
 
 def _on_cpu(device: torch.device | None) -> bool:
     return device is None or device.type == "cpu"
-
-
-def _configured_depth(depth: int | None) -> int:
-    if depth is None:
-        text = os.environ.get(DEPTH_ENV, "").strip()
-        try:
-            depth = int(text) if text else DEFAULT_DEPTH
-        except ValueError:
-            logger.warning("%s=%r is not an integer; using %d.", DEPTH_ENV, text, DEFAULT_DEPTH)
-            depth = DEFAULT_DEPTH
-    if depth > MAX_DEPTH:
-        logger.warning("Prefetch depth %d capped at %d modules ahead (memory bound).", depth, MAX_DEPTH)
-    return max(0, min(depth, MAX_DEPTH))
-
-
-def enable_prefetch(
-    model: nn.Module, depth: int | None = None, stage: StageFn | None = None, min_bytes: int = MIN_BYTES
-) -> Prefetcher | None:
-    """Give all offloading hooks of ``model`` one shared :class:`Prefetcher`.
-
-    Args:
-        model: a model with offloading AlignDevicesHooks attached.
-        depth: modules staged ahead (default: ``$BIGMODEL_PREFETCH_DEPTH`` or 1; 0 disables; at most 2).
-        stage: staging function (default :func:`stage`); :mod:`bigmodel.transfer.copies` supplies the
-            pinned-memory, side-stream one for accelerators.
-        min_bytes: modules with fewer offloaded bytes are not prefetched.
-
-    Returns:
-        The prefetcher, or None when disabled or nothing is offloaded.
-    """
-    from ..hooks.align_hook import loading_hook_of
-
-    depth = _configured_depth(depth)
-    hooks = [hook for module in model.modules() if (hook := loading_hook_of(module)) is not None]
-    root = _root_hook(model)
-    for hook in [*hooks, root] if root is not None else hooks:
-        hook.prefetcher = None
-    if depth == 0 or len(hooks) < 2:
-        return None
-    # The first forward follows the order of the modules in the model; a block's members run inside its hook.
-    members = {id(member) for hook in hooks for _, member in getattr(hook, "members", ())}
-    guess = [hook for hook in hooks if id(hook) not in members]
-    prefetcher = Prefetcher(depth, stage if stage is not None else globals()["stage"], min_bytes, guess)
-    for hook in [*hooks, root] if root is not None else hooks:
-        hook.prefetcher = prefetcher  # the root hook (no weights of its own) tells when a forward starts
-    if callable(getattr(prefetcher.stage, "close", None)):  # its buffers go back with the model
-        weakref.finalize(model, _close_stage, weakref.ref(prefetcher.stage)).atexit = False
-    return prefetcher
-
-
-def _root_hook(model: nn.Module) -> Any:
-    """The model's own AlignDevicesHook when it puts no weights in (dispatch_model's main-device hook), else None."""
-    from ..hooks.align_hook import AlignDevicesHook
-    from ..hooks.registry import iter_hooks
-
-    for hook in iter_hooks(model.__dict__.get("_hf_hook")):
-        if isinstance(hook, AlignDevicesHook) and not hook.swaps_weights:
-            return hook
-    return None
-
-
-def _close_stage(ref: weakref.ref) -> None:
-    if (stage := ref()) is not None:
-        stage.close()

@@ -23,7 +23,7 @@ from ..hooks.placeholders import placeholders_stay_meta
 from ..hooks.registry import TIED_PARAMS, patch_attribute, remove_hook_from_submodules
 from ..offload.resident import read_resident
 from ..transfer.copies import DeviceStager
-from .prefetch import enable_prefetch
+from .prefetch_setup import enable_prefetch
 
 logger = logging.getLogger(__name__)
 

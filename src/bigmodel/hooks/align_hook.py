@@ -92,7 +92,7 @@ class AlignDevicesHook(ModelHook):
         self.original_devices: dict[str, torch.device] = {}
         self.tied_pointers_to_remove: set[tuple[int, torch.device]] = set()
         self.module_name = ""
-        self.prefetcher: Any = None  # set by _prefetch.enable_prefetch
+        self.prefetcher: Any = None  # set by dispatch.prefetch_setup.enable_prefetch
         self._slots: dict[str, Slot] = {}
         self._kept = KeptValues()  # values put in at an earlier forward, put in again while current (hooks.kept)
         # Offloaded submodules whose weights this hook swaps in and out with its own (see set_members).
@@ -100,8 +100,7 @@ class AlignDevicesHook(ModelHook):
         self._bypassed: list[list[tuple[nn.Module, AlignDevicesHook, Any]]] = []  # per active forward
         self._plans = PlanSlot()  # the members' kept values, put in in one pass (hooks.block_plan)
 
-    _REPR_FIELDS = ("execution_device", "offload", "io_same_device", "offload_buffers", "place_submodules",
-                    "skip_keys")
+    _REPR_FIELDS = ("execution_device", "offload", "io_same_device", "offload_buffers", "place_submodules", "skip_keys")
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._REPR_FIELDS)
@@ -318,22 +317,24 @@ class AlignDevicesHook(ModelHook):
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         if self.io_same_device:
             self.input_device = find_device([args, kwargs])
+        prefetcher = self.prefetcher
         if self.offload or self.members:
-            # On the CPU each hook reads its own values (the same views; kept ones are not read again, hooks.kept).
-            staged = self.prefetcher.take(self, read=False) if self.prefetcher is not None else None
+            # On the CPU each hook reads its own values (the same views; kept ones are not read again, hooks.kept);
+            # a quiet forward has nothing staged, nothing to read ahead (Prefetcher.forward_starts).
+            busy = prefetcher is not None and not prefetcher.quiet
+            staged = prefetcher.take(self, read=False) if busy else None
             if self.members:
                 self._load_members(module, staged)
             else:
                 self.load_weights(module, staged)
-            if self.prefetcher is not None:
-                self.prefetcher.schedule_after(self)
-        elif self.prefetcher is not None:  # the model's own hook: its forward starts
-            self.prefetcher.forward_starts()
+            if busy:
+                prefetcher.schedule_after(self)
+        elif prefetcher is not None:  # the model's own hook: its forward starts
+            prefetcher.forward_starts()
         return send_inputs_to_device(args, kwargs, self.device, self.skip_keys)
 
     def _load_members(self, module: nn.Module, staged: Mapping[str, torch.Tensor] | None) -> None:
-        """Put this hook's and its members' weights in; set the members' own hooks aside (see :meth:`set_members`)."""
-        self._bypassed.append(take_members(self, module, staged))
+        self._bypassed.append(take_members(self, module, staged))  # members' hooks set aside (see set_members)
 
     def _unload_members(self) -> None:
         restore_members(self._bypassed.pop() if self._bypassed else ())

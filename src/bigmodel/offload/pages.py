@@ -81,3 +81,15 @@ def pages_resident(tensor: torch.Tensor) -> bool:
         if MINCORE(address, count * _SYSTEM_PAGE, vec) != 0 or not all_in_ram(vec.raw[:count]):
             return False
     return True
+
+
+def available_memory() -> int:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes (0 when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..core.workers import worker
-from .pages import all_in_ram
+from .pages import all_in_ram, available_memory
 
 logger = logging.getLogger(__name__)
 
@@ -258,18 +258,6 @@ class InOrder:
         self._waiting -= length
 
 
-def available_memory() -> int:
-    """``MemAvailable`` from ``/proc/meminfo`` in bytes (0 when unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class ReadAhead:
     """Reads the file-backed offloaded weights of the next modules ahead, in execution order.
 
@@ -301,6 +289,12 @@ class ReadAhead:
         """Forget the spans (call when a weights map's values change)."""
         with self._lock:
             self._spans, self.active, self.streaming, self._early, self._values = None, False, False, False, []
+
+    def first_resident(self) -> bool:
+        """True if the first page of the first module with file-backed values is in RAM (one ``mincore``
+        call), or nothing is read ahead (turned off, no file-backed value); False before :meth:`start`."""
+        probes = self._probes
+        return not self.enabled or (self._spans is not None and (not probes or resident(probes[:1], last=False)))
 
     def start(self, order: Sequence[Any]) -> None:
         """The model's forward starts, before ``order[0]()``'s module: begin the pass now, so that the first
