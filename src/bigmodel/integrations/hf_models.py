@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,29 @@ from ..core.meta import init_empty_weights
 from ..core.sizes import to_dtype
 
 logger = logging.getLogger(__name__)
+
+_WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # files of tensors, never a config
+
+
+def is_weights_file(name: str) -> bool:
+    """True for the name of a weights file or of a sharded checkpoint's index (no config inside)."""
+    return name.endswith(_WEIGHTS_SUFFIXES) or name.endswith(".index.json")
+
+
+def weights_file_folder(file: Path) -> Path:
+    """The model folder holding the weights file ``file``, which must have a ``config.json`` (logged).
+
+    Raises:
+        ValueError: the folder has no ``config.json`` (names the file and the fix).
+    """
+    kind = ".index.json" if file.name.endswith(".index.json") else file.suffix
+    if not (file.parent / "config.json").is_file():
+        raise ValueError(
+            f"{str(file)!r} is a {kind} weights file, which holds no config, and its folder has no config.json; "
+            "pass the folder with config.json (and the weights) instead."
+        )
+    logger.info("%s is a %s weights file; using the model folder holding it: %s", file.name, kind, file.parent)
+    return file.parent
 
 
 def declared_dtype(config: Any) -> torch.dtype | None:
