@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..integrations import hf as _hf
+from ..integrations.hf_models import require_causal_lm
 from ..planning.device_map import check_device_map, unknown_device_map_keys
 from . import embedded as _embedded
 from . import generate as _generate
@@ -174,6 +175,8 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_args(args)
     embedded = args.model is None
     folder = _embedded.gguf_path() if embedded else _hf.resolve_model_folder(args.model)  # GGUF read in place
+    if not embedded:  # from the config alone, before the tokenizer and the weights
+        require_causal_lm(_hf.load_config(folder), repr(str(folder)))
     tokenizer = _hf.load_tokenizer(folder)
     start = time.perf_counter()
     empty = _hf.empty_model(folder, dtype=dtype)

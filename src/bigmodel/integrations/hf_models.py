@@ -135,6 +135,30 @@ def model_class_for(config: Any, model_class: type | str | None = None, source: 
     )
 
 
+def require_causal_lm(config: Any, source: str = "the config") -> type:
+    """The class :func:`model_class_for` builds for ``config``, checked to be a causal LM (text generation).
+
+    A causal LM is what ``AutoModelForCausalLM`` builds for the config's class (its model
+    mapping), or a subclass of it; a folder without ``architectures`` is read as one.
+
+    Raises:
+        ValueError: the class is not a causal LM (names it, the config's causal LM if any, and
+            what works instead); raised from the config alone, before any weight is read.
+    """
+    transformers = importlib.import_module("transformers")
+    cls = model_class_for(config, None, source)
+    mapped = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    causal = mapped if isinstance(mapped, tuple) else (mapped,) if mapped is not None else ()
+    if cls is transformers.AutoModelForCausalLM or any(issubclass(cls, c) for c in causal):
+        return cls
+    names = " or ".join(c.__name__ for c in causal)
+    hint = f" (for a {type(config).__name__}: {names}, with weights for its head)" if names else ""
+    raise ValueError(
+        f"The model in {source} is a {cls.__name__} (config.json architectures), which is not a causal LM: "
+        f"generate needs a *ForCausalLM model{hint}; `bigmodel estimate` and `bigmodel plan` work for any model."
+    )
+
+
 def build_on_meta(cls: type, config: Any, dtype: torch.dtype, source: str = "the config") -> nn.Module:
     """Build ``cls`` from ``config`` with every parameter on ``meta`` (buffers real), tied, in eval mode.
 
