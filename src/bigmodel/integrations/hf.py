@@ -69,7 +69,7 @@ def require_transformers() -> ModuleType:
 
 
 def resolve_model_folder(path: str | os.PathLike) -> Path:
-    """The model folder for ``path``: a folder, its ``config.json``, or one of its weights files; a ``.gguf`` file as it is.
+    """The model folder for ``path``: a folder, its ``config.json`` or a weights file in it; a ``.gguf`` file as is.
 
     A weights file (``model.safetensors``, ``pytorch_model.bin``, a sharded checkpoint's
     ``*.index.json``) holds no config, so the folder holding it is used when that folder has
