@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from _tiny_hf import LAYERS, copy_without_tokenizer, write_tiny_llama  # noqa: E402
 
 import bigmodel  # noqa: E402
+from bigmodel.cli._format import human_bytes  # noqa: E402
 from bigmodel.cli.main import main  # noqa: E402
 from bigmodel.core.tensors import device_of  # noqa: E402
 from bigmodel.integrations.hf import empty_model  # noqa: E402
@@ -84,6 +85,27 @@ def test_generate_without_offload_folder_uses_a_temporary_one(tiny: Path) -> Non
     assert not Path(match.group(1)).exists()
     answer = result.stdout.split("prompt     w1 w2\n\n")[1].splitlines()[0].split()
     assert len(answer) == 2 and all(word.startswith("w") for word in answer)
+
+
+@pytest.mark.parametrize("form", ["int8", "int4"])
+def test_generate_reports_the_bytes_quantized_offload_stores(form: str, tiny: Path, tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "offload"
+    argv = ["generate", str(tiny), "--prompt", "w1", "--max-new-tokens", "2", "--max-memory", "cpu=60KB"]
+    assert main([*argv, "--offload-folder", str(folder), "--offload-quantization", form]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert rows["disk"][-3:] == ["156,832", "4", "40"]  # planned float32 bytes, layers, tensors: as without quantization
+    index = json.loads((folder / "index.json").read_text())
+    quantized = {name: entry for name, entry in index.items() if "quantization" in entry}
+    written = sum(file.stat().st_size for name in quantized for file in folder.glob(f"{name}*.dat"))
+    as_float32 = sum(4 * entry["shape"][0] * entry["shape"][1] for entry in quantized.values())
+    stored = 156_832 - as_float32 + written  # norms stay float32
+    assert len(quantized) == 29 and written < as_float32 / 3
+    note = (f"disk stores {human_bytes(stored)} ({stored:,} bytes) with --offload-quantization: 29 Linear weights as "
+            f"{form} + {'scales and zero points' if form == 'int4' else 'scales'}, which 'planned' counts in float32.")  # fmt: skip
+    assert f"\n\n{note}\n\n" in out
+    assert main([*argv, "--offload-folder", str(tmp_path / "plain")]) == 0
+    assert "disk stores" not in capsys.readouterr().out
 
 
 def test_plan_shows_every_budgeted_device(tiny: Path, capsys) -> None:

@@ -100,6 +100,27 @@ def test_folder_errors(tiny: Path, tmp_path: Path) -> None:
     assert resolve_model_folder(tiny / "config.json") == tiny
 
 
+def test_a_weights_file_resolves_to_its_folder(tiny: Path, tmp_path: Path, caplog) -> None:
+    with caplog.at_level("INFO", logger="bigmodel.integrations"):
+        assert resolve_model_folder(tiny / "model.safetensors") == tiny
+    assert "model.safetensors is a .safetensors weights file; using the model folder holding it" in caplog.text
+    index = tmp_path / "sharded" / "model.safetensors.index.json"
+    index.parent.mkdir()
+    index.write_text("{}")
+    (index.parent / "config.json").write_text((tiny / "config.json").read_text())
+    assert resolve_model_folder(index) == index.parent  # not read as a config file
+    loose = tmp_path / "loose" / "model.safetensors"
+    loose.parent.mkdir()
+    loose.write_bytes((tiny / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"model\.safetensors' is a \.safetensors weights file, which holds no config, "
+                       r"and its folder has no config\.json; pass the folder with config\.json"):
+        resolve_model_folder(loose)
+    bin_file = tmp_path / "loose" / "pytorch_model.bin"
+    bin_file.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"is a \.bin weights file, which holds no config"):
+        resolve_model_folder(bin_file)
+
+
 def test_tokenizer(tiny: Path, tmp_path: Path) -> None:
     assert load_tokenizer(tiny)("w1 w2")["input_ids"] == [4, 5]
     bare = copy_without_tokenizer(tiny, tmp_path / "bare")

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from ..integrations import hf as _hf
+from ..integrations.hf_models import require_causal_lm
+from ..offload.format import load_offload_index
 from ..planning.device_map import check_device_map, unknown_device_map_keys
 from . import embedded as _embedded
 from . import generate as _generate
@@ -174,6 +176,8 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_args(args)
     embedded = args.model is None
     folder = _embedded.gguf_path() if embedded else _hf.resolve_model_folder(args.model)  # GGUF read in place
+    if not embedded:  # from the config alone, before the tokenizer and the weights
+        require_causal_lm(_hf.load_config(folder), repr(str(folder)))
     tokenizer = _hf.load_tokenizer(folder)
     start = time.perf_counter()
     empty = _hf.empty_model(folder, dtype=dtype)
@@ -196,13 +200,27 @@ def run_generate(args: argparse.Namespace) -> int:
         load_seconds = plan_seconds + time.perf_counter() - start  # as long as a load_pretrained that plans
         result = _generate.generate(model, tokenizer, args.prompt, args.max_new_tokens, chat=not args.no_chat)
         source = budgets if args.device_map in _hf.STRING_DEVICE_MAPS else f"device map {args.device_map}"
-        _print_report(folder, model, usage, source, load_seconds, result, args.prompt, rss_text(before_load))
+        stored = _stored_note(empty, planned, offload, torch_dtype) if args.offload_quantization else None
+        _print_report(folder, model, usage, source, load_seconds, result, args.prompt, rss_text(before_load), stored)
         return _run_check(model, folder, result, sum(u.nbytes for u in usage)) if args.check else 0
+
+
+def _stored_note(model: nn.Module, planned: dict, folder: str | None, dtype: torch.dtype) -> str | None:
+    """The line under the table saying what quantized offload stores on disk (None when nothing is quantized)."""
+    stored = _summary.stored_on_disk(model, planned, load_offload_index(folder) if folder else {}, dtype)
+    if not stored.quantized:
+        return None
+    extra = " + scales and zero points" if "int4" in stored.forms else " + scales"
+    return (
+        f"disk stores {human_bytes(stored.nbytes)} ({stored.nbytes:,} bytes) with --offload-quantization: "
+        f"{stored.quantized} Linear weights as {'/'.join(stored.forms)}{extra}, which 'planned' counts in "
+        f"{dtype_label(dtype)}."
+    )
 
 
 def _print_report(
     folder: Path, model: nn.Module, usage: list[_summary.DeviceUsage], budgets: dict | str | None,
-    load_seconds: float, result: _generate.Generation, prompt: str, rss: str,
+    load_seconds: float, result: _generate.Generation, prompt: str, rss: str, stored: str | None = None,
 ) -> None:  # fmt: skip
     dtype = next(model.parameters()).dtype
     plan = budgets if isinstance(budgets, str) else budget_text(budgets)
@@ -211,6 +229,9 @@ def _print_report(
     print()
     print(usage_table(usage, None if isinstance(budgets, str) else budgets))
     print()
+    if stored:  # after a blank line: the table ends there for the readers that parse it
+        print(stored)
+        print()
     print(key_values([
         ("load time", f"{load_seconds:.2f} s"),
         ("generated", f"{result.new_tokens} tokens in {result.seconds:.2f} s ({result.tokens_per_second:.2f} tokens/s)"),

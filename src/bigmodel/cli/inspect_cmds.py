@@ -34,7 +34,7 @@ def add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="total size and largest layer of a model, per dtype, from its config alone",
         description="Print the total size, the largest layer and the size per dtype of a model, reading no weights.",
     )
-    parser.add_argument("model", help="model folder or config.json")
+    parser.add_argument("model", help="model folder, its config.json or weights file, or a .gguf file")
     parser.add_argument(
         "--dtype", nargs="+", default=list(DTYPE_CHOICES), metavar="D",
         help="dtypes to size for (default: fp32 bf16 fp16 fp8 int4; torch names such as bfloat16 work too)",
@@ -50,7 +50,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Plan the device map of a model under per-device budgets, reading no weights. "
         "What does not fit in the budgets goes to disk.",
     )
-    parser.add_argument("model", help="model folder or config.json")
+    parser.add_argument("model", help="model folder, its config.json or weights file, or a .gguf file")
     parser.add_argument("--max-memory", nargs="+", metavar="DEV=SIZE", help="budgets, e.g. cpu=64GiB 0=70GiB disk=2TB")
     parser.add_argument("--device-map", default="auto", choices=_hf.STRING_DEVICE_MAPS, help="planning strategy")
     parser.add_argument("--dtype", help="dtype the weights would be loaded in (default: the config's)")
@@ -61,7 +61,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_estimate(args: argparse.Namespace) -> int:
     """Print parameters, layers and the size per dtype of ``args.model``; returns the exit status."""
     dtypes = [parse_size_dtype(name) for name in args.dtype]
-    config = _hf.load_config(args.model)
+    config = _hf.load_config(_hf.resolve_model_folder(args.model))  # a weights file: its folder (logged once)
     declared = _hf.config_dtype(config)
     model = _hf.empty_model(config, dtype="float32")
     no_split = _hf.no_split_classes(model)
@@ -91,7 +91,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     """Print the planned device map of ``args.model`` as a table or as JSON; returns the exit status."""
     budgets = parse_max_memory(args.max_memory)
-    model = _hf.empty_model(args.model, dtype=parse_dtype(args.dtype))
+    model = _hf.empty_model(_hf.resolve_model_folder(args.model), dtype=parse_dtype(args.dtype))
     dtype = next(model.parameters()).dtype
     device_map = _hf.plan_device_map(model, args.device_map, budgets, dtype=dtype)
     if args.json:

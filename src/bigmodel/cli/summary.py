@@ -18,6 +18,7 @@ from ..core.devices import device_sort_key
 from ..core.sizes import compute_module_sizes
 from ..core.tensors import device_of, find_tied_parameters
 from ..hooks.registry import TIED_PARAMS
+from ..offload.format import parse_dtype
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,56 @@ def device_map_usage(
         DeviceUsage(device, nbytes[device], layers.get(device, 0), counts[device])
         for device in sorted(nbytes, key=device_sort_key)
     ]
+
+
+@dataclass(frozen=True)
+class StoredOnDisk:
+    """What the ``"disk"`` tensors of a load take as stored, quantized offload included.
+
+    Attributes:
+        nbytes: bytes of the disk tensors as stored: quantized ones as their parts (data,
+            scales, zero points) in the offload folder, the others at their planned size.
+        planned: bytes of the same tensors as planned (the table's ``disk`` row).
+        quantized: number of disk tensors stored quantized.
+        forms: the quantized forms found (``"int8"``...), sorted.
+    """
+
+    nbytes: int
+    planned: int
+    quantized: int
+    forms: tuple[str, ...]
+
+
+def stored_on_disk(
+    model: nn.Module,
+    device_map: Mapping[str, int | str],
+    index: Mapping[str, Mapping],
+    dtype: torch.dtype | str | None = None,
+) -> StoredOnDisk:
+    """Bytes the disk tensors of ``device_map`` take as stored, read from the offload folder's index.
+
+    Args:
+        model: the (meta) model the map was planned for.
+        device_map: module name → device.
+        index: the offload folder's ``index.json`` (:func:`bigmodel.offload.format.load_offload_index`);
+            a quantized entry lists its parts' dtypes and shapes (see :mod:`bigmodel.offload.quantized_store`).
+        dtype: the dtype the tensors were planned in.
+    """
+    nbytes = planned = quantized = 0
+    forms: set[str] = set()
+    for name, size in tensor_sizes(model, dtype).items():
+        if device_of(name, device_map) != "disk":
+            continue
+        planned += size
+        quantization = (index.get(name) or {}).get("quantization")
+        if not isinstance(quantization, Mapping):
+            nbytes += size
+            continue
+        parts = quantization.get("parts", {}).values()
+        nbytes += sum(parse_dtype(p["dtype"], name).itemsize * torch.Size(p["shape"]).numel() for p in parts)
+        quantized += 1
+        forms.add(str(quantization.get("form")))
+    return StoredOnDisk(nbytes, planned, quantized, tuple(sorted(forms)))
 
 
 def count_layers(model: nn.Module, no_split_module_classes: list[str] | None = None) -> int:

@@ -37,9 +37,11 @@ from ..core.sizes import compute_module_sizes, get_max_layer_size, to_dtype
 from .hf_models import (
     build_on_meta,
     declared_dtype,
+    is_weights_file,
     model_class_for,
     refuse_quantized,
     resolve_dtype,
+    weights_file_folder,
 )
 from .hf_weights import prepare_checkpoint
 
@@ -67,14 +69,21 @@ def require_transformers() -> ModuleType:
 
 
 def resolve_model_folder(path: str | os.PathLike) -> Path:
-    """The model folder for ``path`` (a folder, or the path of its ``config.json``); a ``.gguf`` file as it is.
+    """The model folder for ``path``: a folder, its ``config.json`` or a weights file in it; a ``.gguf`` file as is.
+
+    A weights file (``model.safetensors``, ``pytorch_model.bin``, a sharded checkpoint's
+    ``*.index.json``) holds no config, so the folder holding it is used when that folder has
+    a ``config.json`` (logged).
 
     Raises:
         FileNotFoundError: the path does not exist, or the folder has no ``config.json``.
+        ValueError: a weights file whose folder has no ``config.json`` (says to pass the folder).
     """
     folder = Path(path).expanduser()
     if is_gguf(folder) and folder.is_file():
         return folder  # config, tokenizer and weights in one file
+    if folder.is_file() and is_weights_file(folder.name):
+        return weights_file_folder(folder)
     if folder.is_file() and folder.name.endswith(".json"):
         folder = folder.parent if folder.name == "config.json" else folder
     if not folder.exists():

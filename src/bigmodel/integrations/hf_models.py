@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,29 @@ from ..core.meta import init_empty_weights
 from ..core.sizes import to_dtype
 
 logger = logging.getLogger(__name__)
+
+_WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # files of tensors, never a config
+
+
+def is_weights_file(name: str) -> bool:
+    """True for the name of a weights file or of a sharded checkpoint's index (no config inside)."""
+    return name.endswith(_WEIGHTS_SUFFIXES) or name.endswith(".index.json")
+
+
+def weights_file_folder(file: Path) -> Path:
+    """The model folder holding the weights file ``file``, which must have a ``config.json`` (logged).
+
+    Raises:
+        ValueError: the folder has no ``config.json`` (names the file and the fix).
+    """
+    kind = ".index.json" if file.name.endswith(".index.json") else file.suffix
+    if not (file.parent / "config.json").is_file():
+        raise ValueError(
+            f"{str(file)!r} is a {kind} weights file, which holds no config, and its folder has no config.json; "
+            "pass the folder with config.json (and the weights) instead."
+        )
+    logger.info("%s is a %s weights file; using the model folder holding it: %s", file.name, kind, file.parent)
+    return file.parent
 
 
 def declared_dtype(config: Any) -> torch.dtype | None:
@@ -108,6 +132,30 @@ def model_class_for(config: Any, model_class: type | str | None = None, source: 
         f"Cannot build {names[0]!r} for {source}: {why}. Pass model_class= a transformers model class or its name "
         "(e.g. model_class='AutoModel', or a class you imported yourself), or load it with transformers' "
         "from_pretrained(device_map=...)."
+    )
+
+
+def require_causal_lm(config: Any, source: str = "the config") -> type:
+    """The class :func:`model_class_for` builds for ``config``, checked to be a causal LM (text generation).
+
+    A causal LM is what ``AutoModelForCausalLM`` builds for the config's class (its model
+    mapping), or a subclass of it; a folder without ``architectures`` is read as one.
+
+    Raises:
+        ValueError: the class is not a causal LM (names it, the config's causal LM if any, and
+            what works instead); raised from the config alone, before any weight is read.
+    """
+    transformers = importlib.import_module("transformers")
+    cls = model_class_for(config, None, source)
+    mapped = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    causal = mapped if isinstance(mapped, tuple) else (mapped,) if mapped is not None else ()
+    if cls is transformers.AutoModelForCausalLM or any(issubclass(cls, c) for c in causal):
+        return cls
+    names = " or ".join(c.__name__ for c in causal)
+    hint = f" (for a {type(config).__name__}: {names}, with weights for its head)" if names else ""
+    raise ValueError(
+        f"The model in {source} is a {cls.__name__} (config.json architectures), which is not a causal LM: "
+        f"generate needs a *ForCausalLM model{hint}; `bigmodel estimate` and `bigmodel plan` work for any model."
     )
 
 

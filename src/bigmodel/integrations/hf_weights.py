@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,8 +45,10 @@ def prepare_checkpoint(model: nn.Module, infos: Mapping[str, TensorInfo], source
         source: the model folder, for error messages.
 
     Returns:
-        The conversion (None with transformers 4, which loads keys as stored).  Tied pairs
-        stored twice with different values are untied on ``model``, as transformers unties them.
+        The conversion (None with transformers 4 when it changes nothing: keys load as stored).
+        Keys transformers drops without a word (see :func:`ignorable_keys`) are left unread.
+        Tied pairs stored twice with different values are untied on ``model``, as transformers
+        unties them.
 
     Raises:
         ValueError: a parameter of the model is in no checkpoint key (names them and the fix);
@@ -52,6 +56,7 @@ def prepare_checkpoint(model: nn.Module, infos: Mapping[str, TensorInfo], source
     """
     conversion = transformers_conversion(model, infos)
     converted = convert_infos(infos, conversion)
+    conversion = _without_ignorable(conversion, converted.infos, model)
     stored = {name: info.name for name, info in converted.infos.items() if name not in converted.built}
     untie_differing(model, converted.infos, stored)
     missing = missing_parameters(model, converted.infos)
@@ -63,6 +68,38 @@ def prepare_checkpoint(model: nn.Module, infos: Mapping[str, TensorInfo], source
             "or a checkpoint that holds them."
         )
     return conversion
+
+
+def ignorable_keys(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The checkpoint tensor names (model-side) that ``from_pretrained`` drops without warning.
+
+    Those the model does not hold that either match one of the model's
+    ``_keys_to_ignore_on_load_unexpected`` patterns (regular expressions, searched in the name;
+    transformers gathers the submodules' patterns on the model), or name a non-persistent
+    buffer: the buffer itself (``embeddings.position_ids``, saved by older versions), or one of
+    the same ``module.buffer`` ending elsewhere (per-layer ``rotary_emb.inv_freq`` of older
+    checkpoints, now one buffer of the model).
+    """
+    expected = model.state_dict()
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    transient = {name for name, _ in model.named_buffers()} - set(expected)
+    endings = {".".join(name.split(".")[-2:]) for name in transient}
+    return sorted(
+        name for name in names if name not in expected
+        and (name in transient or ".".join(name.split(".")[-2:]) in endings or any(p.search(name) for p in patterns))
+    )  # fmt: skip
+
+
+def _without_ignorable(
+    conversion: KeyConversion | None, infos: Mapping[str, TensorInfo], model: nn.Module
+) -> KeyConversion | None:
+    """``conversion`` that also leaves unread the checkpoint keys of :func:`ignorable_keys`."""
+    dropped = ignorable_keys(model, infos)
+    if not dropped:
+        return conversion
+    logger.debug("Not loading %s, as transformers does not: %s", type(model).__name__, ", ".join(dropped))
+    keys = frozenset(infos[name].name for name in dropped)
+    return replace(conversion or KeyConversion(), ignored=(conversion or KeyConversion()).ignored | keys)
 
 
 def transformers_conversion(model: nn.Module, infos: Mapping[str, TensorInfo]) -> KeyConversion | None:

