@@ -103,7 +103,7 @@ def check_filled(
     """Raise if the model still has tensors on ``meta`` that a load left without a value.
 
     Tensors mapped to ``"disk"`` are on ``meta`` by design; they count as filled when the offload
-    folder's index holds them.
+    folder's index holds them.  Tensors mapped to ``"meta"`` itself are left alone.
 
     Raises:
         ValueError: names the tensors the checkpoint did not provide, and the fixes.
@@ -111,7 +111,8 @@ def check_filled(
     offloaded = set(load_offload_index(offload_folder)) if offload_folder is not None else set()
     unfilled = [
         name for name, tensor in model.state_dict(keep_vars=True).items()
-        if tensor.device.type == "meta" and not (name in offloaded and _mapped_to_disk(name, device_map))
+        if tensor.device.type == "meta" and _mapped_to(name, device_map) != "meta"
+        and not (name in offloaded and _mapped_to(name, device_map) == "disk")
     ]  # fmt: skip
     if unfilled:
         raise ValueError(
@@ -122,8 +123,9 @@ def check_filled(
         )
 
 
-def _mapped_to_disk(name: str, device_map: Mapping[str, DeviceSpec] | None) -> bool:
-    return device_map is not None and is_covered(name, device_map) and device_of(name, device_map) == "disk"
+def _mapped_to(name: str, device_map: Mapping[str, DeviceSpec] | None) -> object:
+    """The device the map gives ``name`` as given (None when there is no map or it is not covered)."""
+    return device_of(name, device_map) if device_map is not None and is_covered(name, device_map) else None
 
 
 def check_dtypes(
