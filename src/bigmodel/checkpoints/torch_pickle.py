@@ -22,6 +22,8 @@ from ..core.subclasses import flatten_tensor, is_tensor_subclass
 
 logger = logging.getLogger(__name__)
 
+_NOTED: set[tuple] = set()  # (file, its mtime and size, key) already noted: a file is read up to 3 times a load
+
 
 def load_torch_file(path: str | os.PathLike, mmap: bool | None = None) -> dict[str, torch.Tensor]:
     """Load a torch pickle with ``weights_only=True``.
@@ -81,10 +83,31 @@ def _load(path: Path, mmap: bool) -> dict[str, torch.Tensor]:
         raise ValueError(f"Checkpoint file {str(path)!r} holds a {type(loaded).__name__}, not a state dict of tensors.")
     tensors = {}
     for name, value in loaded.items():
-        if not isinstance(name, str):
-            logger.warning("%s: skipping key %r, which is a %s and not a tensor name.", path, name, type(name).__name__)
-        elif isinstance(value, torch.Tensor):
+        if isinstance(name, str) and isinstance(value, torch.Tensor):
             tensors[name] = value
         else:
-            logger.warning("%s: skipping %r, which is a %s and not a tensor.", path, name, type(value).__name__)
+            _note_skipped(path, name, value)
     return tensors
+
+
+def _note_skipped(path: Path, name: object, value: object) -> None:
+    """Log once per file version what an entry that is not a tensor is, and for a nested state dict the fix."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, repr(name))
+    if key in _NOTED:
+        return
+    if len(_NOTED) > 10_000:
+        _NOTED.clear()
+    _NOTED.add(key)
+    if not isinstance(name, str):
+        logger.warning("%s: skipping key %r, which is a %s and not a tensor name.", path, name, type(name).__name__)
+        return
+    nested = [k for k, v in value.items() if isinstance(v, torch.Tensor)] if isinstance(value, Mapping) else []
+    if nested:
+        logger.warning(
+            "%s holds a nested state dict under %r (%d tensors, e.g. %r), not tensors at its top level; its tensors "
+            "are not loaded. Save the nested state dict itself: ckpt = torch.load(path); "
+            "torch.save(ckpt[%r], path).", path, name, len(nested), nested[0], name,
+        )  # fmt: skip
+    else:
+        logger.warning("%s: skipping %r, which is a %s and not a tensor.", path, name, type(value).__name__)

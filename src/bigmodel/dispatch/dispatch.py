@@ -35,6 +35,8 @@ from ..offload.storage import (
     load_offload_index,
 )
 from ..transfer.pinned import check_pinnable, pin_module_tensors, pin_tensors
+from ..planning.disjoint import disjoint_device_map, module_blocks
+from .checkpoint_dispatch import load_checkpoint_and_dispatch
 from .quantized_offload import quantize_in_ram, store_on_disk, wrap_weights_map
 from .redispatch import (
     _enable_prefetch,
@@ -244,20 +246,22 @@ def dispatch_model(
     deliberately leaves some parameters out.
 
     Raises:
+        TypeError: ``device_map`` is not a mapping.
         ValueError: the map does not cover the model, disk parts have no ``offload_dir``, or
             ``offload_dir``'s index lacks (or describes with another shape/dtype) tensors that are
             on ``meta`` in the model.
         TypeError: with an accelerator as main device, a ``"cpu"`` module holds a tensor subclass
             that cannot be pinned as plain tensors (names it and the fix; nothing is changed).
     """
-    device_map_checker()(model, device_map)
+    given, device_map = device_map, disjoint_device_map(model, device_map)  # longest matching key wins
+    device_map_checker()(model, given)
     form = check_form(offload_quantization)
     devices = {normalize_device(d) if not isinstance(d, str) or d not in ("cpu", "disk", "meta") else d
                for d in device_map.values()}
     if len(devices) == 1 and not force_hooks and "disk" not in devices:
         _undispatch(model, "dispatch_model")
         model.to(next(iter(device_map.values())))  # a single device: just move the model
-        model.hf_device_map = dict(device_map)
+        model.hf_device_map = dict(given)
         return model
     main = main_device if main_device is not None else _main_device(device_map)
     if main == "disk":
@@ -279,9 +283,13 @@ def dispatch_model(
         state_dict = pin_tensors(state_dict, owner=model)  # once (never the disk part); freed with the model
     on_disk = _disk_weights(model, disk_modules, offload_dir, offload_index, offload_buffers, form)
     offloaded_kinds = ("disk",) if on_cpu else ("cpu", "disk")
-    execution_device = {name: main if d in ("cpu", "disk") else d for name, d in device_map.items()}
+    blocks, served = module_blocks(model, device_map, offloaded_kinds)  # hooks go on modules
+    if served:  # tensors of an offloaded module mapped apart from it: its hook reads them from memory
+        tensors = model.state_dict(keep_vars=True)
+        state_dict = {**(state_dict or {}), **{name: tensors[name].detach() for name in served}}
+    execution_device = {name: main if d in ("cpu", "disk") else d for name, d in blocks.items()}
     execution_device[""] = main
-    offload = {name: d in offloaded_kinds for name, d in device_map.items()}
+    offload = {name: d in offloaded_kinds for name, d in blocks.items()}
     weights_map = None
     if state_dict is not None or disk_modules or offload_index is not None:
         if disk_modules and offload_index is None:  # the index _disk_weights wrote ({} if it had nothing to write)
@@ -305,73 +313,8 @@ def dispatch_model(
         logger.info("Modules offloaded to %s run on %s.", "/".join(kinds), main)
         _enable_prefetch(model, main)
     _guard_moves(model, tied)
-    model.hf_device_map = dict(device_map)
+    model.hf_device_map = dict(given)
     return model
-
-
-def load_checkpoint_and_dispatch(
-    model: nn.Module,
-    checkpoint: str | os.PathLike,
-    device_map: str | Mapping[str, DeviceSpec] | None = None,
-    max_memory: Mapping[DeviceSpec, int | str] | None = None,
-    no_split_module_classes: list[str] | None = None,
-    offload_folder: str | os.PathLike | None = None,
-    offload_buffers: bool = False,
-    dtype: torch.dtype | str | None = None,
-    offload_state_dict: bool | None = None,
-    skip_keys: str | list[str] | None = None,
-    preload_module_classes: list[str] | None = None,
-    force_hooks: bool = False,
-    strict: bool = False,
-    full_state_dict: bool = True,
-    broadcast_from_rank0: bool = False,
-    offload_quantization: str | None = None,
-) -> nn.Module:
-    """Plan a device map (if a string), load ``checkpoint`` into ``model`` along it, and dispatch.
-
-    Args:
-        model: the model, usually built under :func:`bigmodel.init_empty_weights`.
-        checkpoint: a weights file, a ``*.index.json`` or a folder holding one.
-        device_map: a dict, or ``"auto"``/``"balanced"``/``"balanced_low_0"``/``"sequential"``;
-            None loads without dispatching.
-        max_memory: device → budget (bytes or ``"10GiB"``) for string maps.
-        no_split_module_classes: classes never split (default: ``model._no_split_modules``).
-        offload_folder: folder for ``"disk"`` parts.
-        offload_buffers, dtype, offload_state_dict, strict, full_state_dict, broadcast_from_rank0:
-            as in :func:`bigmodel.load_checkpoint_in_model`.
-        skip_keys, preload_module_classes, force_hooks, offload_quantization: as in :func:`dispatch_model`
-            (the disk part is quantized while it is loaded, see :func:`bigmodel.load_checkpoint_in_model`).
-
-    Returns:
-        The model, loaded and dispatched.
-
-    Raises:
-        ValueError: an unknown string map (lists the accepted ones), or disk parts without ``offload_folder``.
-    """
-    from ..loading.loader import load_checkpoint_in_model
-    from ..planning.device_map import resolve_device_map
-
-    if no_split_module_classes is None:
-        no_split_module_classes = list(getattr(model, "_no_split_modules", None) or []) or None
-    if isinstance(device_map, str):
-        device_map = resolve_device_map(
-            model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers=offload_buffers
-        )
-    if offload_state_dict is None:
-        offload_state_dict = device_map is not None and "disk" in device_map.values()
-    load_checkpoint_in_model(
-        model, checkpoint, device_map=device_map, offload_folder=offload_folder, dtype=dtype,
-        offload_state_dict=offload_state_dict, offload_buffers=offload_buffers, strict=strict,
-        full_state_dict=full_state_dict, broadcast_from_rank0=broadcast_from_rank0,
-        offload_quantization=offload_quantization,
-    )  # fmt: skip
-    if device_map is None:
-        return model
-    return dispatch_model(
-        model, device_map=device_map, offload_dir=offload_folder, offload_buffers=offload_buffers,
-        skip_keys=skip_keys, preload_module_classes=preload_module_classes, force_hooks=force_hooks,
-        offload_quantization=offload_quantization,
-    )  # fmt: skip
 
 
 def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,13 +1,16 @@
-"""Checks of a checkpoint's tensors against a model, made before anything is loaded."""
+"""Checks of a checkpoint's tensors against a model: before anything is loaded, and after (nothing left on meta)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
 from ..checkpoints.files import TensorInfo
+from ..core.coverage import device_of, is_covered
 from ..core.devices import (
     DeviceSpec,
     accelerator_count,
@@ -15,6 +18,7 @@ from ..core.devices import (
     normalize_device,
     torch_device,
 )
+from ..offload.format import load_offload_index
 
 logger = logging.getLogger(__name__)
 
@@ -90,3 +94,62 @@ def placeable_device(name: str, device: DeviceSpec) -> torch.device:
             "device, 'cpu' or 'disk'."
         )
     return target
+
+
+def check_filled(
+    model: nn.Module, checkpoint: str | os.PathLike, device_map: Mapping[str, DeviceSpec] | None,
+    offload_folder: str | os.PathLike | None,
+) -> None:  # fmt: skip
+    """Raise if the model still has tensors on ``meta`` that a load left without a value.
+
+    Tensors mapped to ``"disk"`` are on ``meta`` by design; they count as filled when the offload
+    folder's index holds them.  Tensors mapped to ``"meta"`` itself are left alone.
+
+    Raises:
+        ValueError: names the tensors the checkpoint did not provide, and the fixes.
+    """
+    offloaded = set(load_offload_index(offload_folder)) if offload_folder is not None else set()
+    unfilled = [
+        name for name, tensor in model.state_dict(keep_vars=True).items()
+        if tensor.device.type == "meta" and _mapped_to(name, device_map) != "meta"
+        and not (name in offloaded and _mapped_to(name, device_map) == "disk")
+    ]  # fmt: skip
+    if unfilled:
+        raise ValueError(
+            f"{len(unfilled)} tensor(s) of {type(model).__name__} are still on the meta device after loading "
+            f"{str(checkpoint)!r}, which did not provide them: {listed(unfilled)}. Fix the checkpoint (it may be "
+            "for another model, or nest its state dict under a key), or give them values before dispatching "
+            "(initialise them, or tie them with model.tie_weights() if they are tied weights)."
+        )
+
+
+def _mapped_to(name: str, device_map: Mapping[str, DeviceSpec] | None) -> object:
+    """The device the map gives ``name`` as given (None when there is no map or it is not covered)."""
+    return device_of(name, device_map) if device_map is not None and is_covered(name, device_map) else None
+
+
+def check_dtypes(
+    expected: Mapping[str, torch.Tensor], infos: Mapping[str, TensorInfo], aliases: Mapping[str, list[str]]
+) -> None:
+    """Refuse integer or bool checkpoint values for floating parameters (a cast would silently change them).
+
+    A floating value into a parameter of another floating dtype is cast as usual, and integer values
+    into integer tensors are kept.
+
+    Raises:
+        TypeError: names each such key, the checkpoint dtype and the parameter dtype.
+    """
+    pairs = [(n, n) for n in infos if n in expected] + [(a, k) for k, names in aliases.items() for a in names]
+    bad = [
+        f"{name!r}: checkpoint dtype {str(infos[key].dtype).removeprefix('torch.')}, parameter dtype "
+        f"{str(expected[name].dtype).removeprefix('torch.')}"
+        for name, key in sorted(pairs)
+        if isinstance(expected[name], nn.Parameter) and (expected[name].is_floating_point() or expected[name].is_complex())
+        and not (infos[key].dtype.is_floating_point or infos[key].dtype.is_complex)
+    ]  # fmt: skip
+    if bad:
+        raise TypeError(
+            f"The checkpoint holds integer/bool values for {len(bad)} floating parameter(s): {listed(bad)}. They are "
+            "not cast silently; save the checkpoint with floating values for them (or load into a model whose "
+            "parameters have the checkpoint's dtype)."
+        )

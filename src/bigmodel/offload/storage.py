@@ -152,7 +152,14 @@ def offload_state_dict(save_dir: str | os.PathLike, state_dict: Mapping[str, tor
 
     Raises:
         PermissionError / OSError: ``save_dir`` cannot be written (the previous index is left as it was).
+        TypeError: a value is not a tensor (names its key; nothing is written).
     """
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"offload_state_dict: state_dict[{name!r}] is a {type(value).__name__}, not a torch.Tensor; pass a "
+                "dict of tensor name → torch.Tensor (drop or convert the other values)."
+            )
     writer = OffloadWriter(save_dir)
     try:
         for name, tensor in state_dict.items():

@@ -79,9 +79,15 @@ def get_max_memory(max_memory: Mapping[DeviceSpec, int | str] | None = None) -> 
     Raises:
         ValueError: a key is not a device (names it and the accepted forms), two keys name
             the same device, or a size does not parse.
+        TypeError: ``max_memory`` is not a mapping (names what was given).
     """
     if max_memory is None:
         return _detected_budgets()
+    if not isinstance(max_memory, Mapping):
+        raise TypeError(
+            f"max_memory={max_memory!r} (a {type(max_memory).__name__}) is not a budget map; pass a dict device → "
+            "bytes or size string, e.g. {'cpu': '1GB'} or {0: '10GiB', 'cpu': '30GiB'}, or None to measure."
+        )
     budgets: Budgets = {}
     converted: dict[DeviceSpec, int] = {}
     for key, value in max_memory.items():

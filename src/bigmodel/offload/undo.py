@@ -1,0 +1,94 @@
+"""Undo what a failed call added to an offload folder, never touching what was there before."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import TracebackType
+
+from .format import INDEX_NAME, dat_path, entry_files
+from .writer import write_index
+
+logger = logging.getLogger(__name__)
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_ino, stat.st_mtime_ns
+
+
+class OffloadFolderUndo:
+    """Context manager: when its block raises, remove what the block added to ``folder``.
+
+    Files and subfolders that were not there on entry are deleted (the whole folder when the
+    block created it), and ``index.json`` gets its previous content back, less the entries whose
+    files the block replaced (so no entry describes a file holding other bytes).  Files that were
+    there before are never deleted.  Nothing happens when the block succeeds.
+
+    Args:
+        folder: the offload folder (None: nothing to watch).
+    """
+
+    def __init__(self, folder: str | os.PathLike | None) -> None:
+        self.folder = Path(folder) if folder is not None else None
+        self._existed = False
+        self._before: dict[str, tuple[int, int]] = {}
+        self._index: bytes | None = None
+
+    def __enter__(self) -> OffloadFolderUndo:
+        folder = self.folder
+        self._existed = folder is not None and folder.is_dir()
+        if self._existed:
+            self._before = {str(p.relative_to(folder)): _identity(p) for p in folder.rglob("*") if p.is_file()}
+            index = folder / INDEX_NAME
+            self._index = index.read_bytes() if index.is_file() else None
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None or self.folder is None or not self.folder.is_dir():
+            return
+        try:
+            self._undo(self.folder)
+        except OSError as err:  # the original error matters more; say what is left
+            logger.warning("Could not remove what the failed call wrote into %s: %s", self.folder, err)
+
+    def _undo(self, folder: Path) -> None:
+        if not self._existed:
+            shutil.rmtree(folder)
+            return
+        added = sorted((p for p in folder.rglob("*") if str(p.relative_to(folder)) not in self._before),
+                       key=lambda p: len(p.parts), reverse=True)  # fmt: skip
+        for path in added:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if self._index is not None:
+            self._restore_index(folder)
+
+    def _restore_index(self, folder: Path) -> None:
+        index = folder / INDEX_NAME
+        if index.is_file() and index.read_bytes() == self._index:
+            return
+        try:
+            previous = json.loads(self._index or b"{}")
+        except ValueError:
+            previous = None
+        if not isinstance(previous, dict):  # not an index bigmodel can read: its bytes as they were
+            index.write_bytes(self._index or b"")
+            return
+        kept = {name: entry for name, entry in previous.items() if not self._replaced(folder, name, entry)}
+        write_index(kept, folder)
+
+    def _replaced(self, folder: Path, name: str, entry: object) -> bool:
+        for file_name in entry_files(name, entry):
+            path = dat_path(folder, file_name)
+            key = str(path.relative_to(folder))
+            if key in self._before and (not path.is_file() or _identity(path) != self._before[key]):
+                return True
+        return False

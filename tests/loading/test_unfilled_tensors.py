@@ -1,0 +1,63 @@
+"""load_checkpoint_and_dispatch refuses a checkpoint that leaves tensors on meta, before dispatching,
+and leaves the offload folder as it found it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from bigmodel import init_empty_weights, load_checkpoint_and_dispatch, load_checkpoint_in_model
+
+
+def _make() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _empty() -> nn.Sequential:
+    with init_empty_weights():
+        return _make()
+
+
+@pytest.fixture
+def lacking_bias(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    sd = {k: v.contiguous() for k, v in _make().state_dict().items() if k != "2.bias"}
+    save_file(sd, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+@pytest.mark.parametrize("kwargs", [{"device_map": {"": "cpu"}}, {"device_map": None},
+                                    {"device_map": "auto", "max_memory": {"cpu": 100}}])  # fmt: skip
+def test_a_missing_key_is_one_clear_error_and_the_folder_is_removed(lacking_bias, tmp_path, kwargs) -> None:
+    folder = tmp_path / "F"
+    with pytest.raises(ValueError, match=r"still on the meta device.*did not provide them: 2\.bias\. Fix the checkpoint"):
+        load_checkpoint_and_dispatch(_empty(), lacking_bias, offload_folder=folder, **kwargs)
+    assert not folder.exists()
+
+
+def test_what_the_folder_held_before_is_kept(lacking_bias, tmp_path) -> None:
+    folder = tmp_path / "F"
+    folder.mkdir()
+    (folder / "index.json").write_text(json.dumps({"old": {"dtype": "float32", "shape": [2]}}))
+    torch.ones(2).numpy().tofile(folder / "old.dat")
+    with pytest.raises(ValueError, match=r"2\.bias"):
+        load_checkpoint_and_dispatch(_empty(), lacking_bias, device_map={"0": "cpu", "1": "cpu", "2": "disk"},
+                                     offload_folder=folder)  # fmt: skip
+    assert sorted(p.name for p in folder.iterdir()) == ["index.json", "old.dat"]
+    assert json.loads((folder / "index.json").read_text()) == {"old": {"dtype": "float32", "shape": [2]}}
+
+
+def test_load_checkpoint_in_model_stays_lenient(lacking_bias, caplog) -> None:
+    model = _empty()
+    with caplog.at_level(logging.WARNING):
+        load_checkpoint_in_model(model, lacking_bias)
+    assert "missing keys (1): 2.bias" in caplog.text
+    assert model[2].bias.device.type == "meta" and model[2].weight.device.type == "cpu"
+    with pytest.raises(ValueError, match=r"missing keys \(1\): 2\.bias"):
+        load_checkpoint_in_model(_empty(), lacking_bias, strict=True)
