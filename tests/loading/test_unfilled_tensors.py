@@ -32,8 +32,7 @@ def lacking_bias(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("kwargs", [{"device_map": {"": "cpu"}}, {"device_map": None},
-                                    {"device_map": "auto", "max_memory": {"cpu": 100}}])  # fmt: skip
+@pytest.mark.parametrize("kwargs", [{"device_map": {"": "cpu"}}, {"device_map": "auto", "max_memory": {"cpu": 100}}])
 def test_a_missing_key_is_one_clear_error_and_the_folder_is_removed(lacking_bias, tmp_path, kwargs) -> None:
     folder = tmp_path / "F"
     with pytest.raises(ValueError, match=r"still on the meta device.*did not provide them: 2\.bias\. Fix the checkpoint"):
@@ -61,3 +60,11 @@ def test_load_checkpoint_in_model_stays_lenient(lacking_bias, caplog) -> None:
     assert model[2].bias.device.type == "meta" and model[2].weight.device.type == "cpu"
     with pytest.raises(ValueError, match=r"missing keys \(1\): 2\.bias"):
         load_checkpoint_in_model(_empty(), lacking_bias, strict=True)
+
+
+def test_without_a_device_map_the_model_comes_back_as_loaded(lacking_bias, caplog) -> None:
+    """No dispatch, no check (the incumbent returns the loaded model): the missing key is logged."""
+    with caplog.at_level(logging.WARNING):
+        model = load_checkpoint_and_dispatch(_empty(), lacking_bias)
+    assert "missing keys (1): 2.bias" in caplog.text
+    assert model[2].bias.device.type == "meta" and model[0].weight.device.type == "cpu"

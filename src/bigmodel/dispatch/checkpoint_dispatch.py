@@ -15,6 +15,7 @@ from ..core.devices import DeviceSpec
 from ..offload.undo import OffloadFolderUndo
 from ..planning.disjoint import check_map_type
 
+
 def load_checkpoint_and_dispatch(
     model: nn.Module,
     checkpoint: str | os.PathLike,
@@ -57,8 +58,9 @@ def load_checkpoint_and_dispatch(
     Raises:
         TypeError: ``device_map`` or ``max_memory`` of the wrong type (names what was given).
         ValueError: an unknown string map (lists the accepted ones), disk parts without
-            ``offload_folder``, or tensors still on ``meta`` after the load (the checkpoint lacks
-            them: names them; raised before dispatching).  After an error, what this call wrote
+            ``offload_folder``, or tensors still on ``meta`` after the load with a ``device_map`` (the
+            checkpoint lacks them: names them; raised before dispatching; without a map the model is
+            returned as loaded, missing keys logged, as the incumbent does).  After an error, what this call wrote
             into ``offload_folder`` is removed again (what was there before is kept).
     """
     from ..dispatch.dispatch import dispatch_model
@@ -83,9 +85,9 @@ def load_checkpoint_and_dispatch(
             full_state_dict=full_state_dict, broadcast_from_rank0=broadcast_from_rank0,
             offload_quantization=offload_quantization,
         )  # fmt: skip
-        check_filled(model, checkpoint, device_map, offload_folder)
         if device_map is None:
-            return model
+            return model  # loaded only, as the incumbent does: missing keys were logged, none is checked
+        check_filled(model, checkpoint, device_map, offload_folder)
         return dispatch_model(
             model, device_map=device_map, offload_dir=offload_folder, offload_buffers=offload_buffers,
             skip_keys=skip_keys, preload_module_classes=preload_module_classes, force_hooks=force_hooks,
