@@ -36,6 +36,7 @@ from safetensors import safe_open
 from ..core.devices import DeviceSpec, torch_device
 from ..core.file_maps import is_mapped, map_file, read_bytes
 from ..core.tensors import device_of
+from .access import check_readable
 from .resolve import (  # noqa: F401  (resolution lives in .resolve; these names stay importable here)
     INDEX_SUFFIX,
     PICKLE_SUFFIXES,
@@ -96,11 +97,13 @@ class SafetensorsFile:
         path: the file.
 
     Raises:
+        PermissionError / FileNotFoundError / OSError: the file cannot be opened (names it and the fix).
         ValueError: the file is truncated or its header is corrupted (names the file).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        check_readable(self.path)
         self._identity = _identity(self.path)
         self.entries, self._data_start = read_header(self.path)
         self._storage: torch.UntypedStorage | None = None
@@ -164,7 +167,13 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], int]:
-    """Validate ``path`` with safetensors, then return its entries (offset order) and data start (bytes)."""
+    """Validate ``path`` with safetensors, then return its entries (offset order) and data start (bytes).
+
+    Raises:
+        PermissionError / FileNotFoundError / OSError: the file cannot be opened (names it and the fix).
+        ValueError: the file is truncated or its header is corrupted (names the file).
+    """
+    check_readable(path)  # safetensors words an unreadable file as a missing one, then we would call it corrupted
     try:
         with safe_open(str(path), framework="pt") as handle:
             names = list(handle.keys())

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .access import check_readable
 from .files import TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -98,11 +99,13 @@ def open_reader(path: str | os.PathLike) -> Any:
 
     Raises:
         FileNotFoundError: no such file.
+        PermissionError / OSError: the file cannot be opened (names it and the fix).
         ValueError: not a GGUF file; a tensor with a quantization type gguf cannot read, or
             whose bytes run past the end of the file (names the tensor and the fix).
     """
     gguf = _require_gguf()
     path = Path(file_key(path)[0])
+    check_readable(path, "GGUF file")
     supported: dict[int, bool] = {}
 
     array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
