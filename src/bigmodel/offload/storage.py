@@ -34,7 +34,7 @@ from .format import (
     parse_dtype,
 )
 from .subclass_format import subclass_entry
-from .writer import OffloadWriter, atomic_write, raw_bytes, write_index
+from .writer import OffloadWriter, atomic_write, raw_bytes, space_checked, write_index
 
 __all__ = [
     "INDEX_NAME",
@@ -91,7 +91,8 @@ def offload_weight(
     folder.mkdir(parents=True, exist_ok=True)
     path = dat_path(folder, weight_name, create=True)
     data = raw_bytes(weight)
-    atomic_write(path, lambda f: f.write(memoryview(data)))
+    with space_checked(folder, path.name, len(data)):
+        atomic_write(path, lambda f: f.write(memoryview(data)))
     index[weight_name] = {"dtype": dtype_name(weight.dtype), "shape": list(weight.shape)}
     return index
 

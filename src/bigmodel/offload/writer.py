@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -16,7 +18,35 @@ from ..core.subclasses import check_flattenable, is_tensor_subclass
 from .format import INDEX_NAME, dat_path, dtype_name, load_offload_index
 from .subclass_format import is_subclass_entry, part_files, part_name, subclass_entry
 
-__all__ = ["OffloadWriter", "atomic_write", "raw_bytes", "write_index"]
+__all__ = ["OffloadWriter", "atomic_write", "raw_bytes", "space_checked", "write_index"]
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full file system, a full quota
+
+
+@contextlib.contextmanager
+def space_checked(folder: Path, what: str, size: int) -> Any:
+    """Re-raise a full disk (or quota) inside the block as an ``OSError`` naming the folder, the bytes and the fix.
+
+    The error keeps the system's ``errno`` (``ENOSPC`` / ``EDQUOT``); its text names ``folder``,
+    ``what`` was written (a file name), ``size`` (bytes) and the bytes still free there.
+
+    Raises:
+        OSError: the block ran out of space (named as above), or failed otherwise (unchanged).
+    """
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _FULL:
+            raise
+        try:
+            free = f"{shutil.disk_usage(folder).free:,} bytes free there"
+        except OSError:
+            free = "free space unknown"
+        raise OSError(
+            error.errno,
+            f"No space left in offload folder {str(folder)!r} to write {what} ({size:,} bytes; {free}): "
+            f"{error.strerror or error}; free some space there or pass another offload_folder.",
+        ) from error
 
 
 def atomic_write(path: Path, write: Any) -> None:
@@ -41,7 +71,8 @@ def raw_bytes(weight: torch.Tensor):
 
 def write_index(index: Mapping[str, dict], folder: Path) -> None:
     text = json.dumps(index, indent=2, sort_keys=True).encode()
-    atomic_write(folder / INDEX_NAME, lambda f: f.write(text))
+    with space_checked(folder, INDEX_NAME, len(text)):
+        atomic_write(folder / INDEX_NAME, lambda f: f.write(text))
 
 
 
@@ -58,6 +89,8 @@ class OffloadWriter:
 
     Raises:
         PermissionError: the folder cannot be created or written (names the path and the fix).
+        OSError: ``ENOSPC`` / ``EDQUOT``, here or in :meth:`write` / :meth:`commit`: the disk is full
+            (names the folder, the file and its bytes, the bytes free and the fix; see :func:`space_checked`).
     """
 
     def __init__(self, folder: str | os.PathLike) -> None:
@@ -68,10 +101,13 @@ class OffloadWriter:
                 "offload_folder that names a folder (it is created if missing)."
             )
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=self.folder, prefix=".bigmodel-probe-")
-            probe.close()
+            with space_checked(self.folder, "a probe file", 0):
+                self.folder.mkdir(parents=True, exist_ok=True)
+                probe = tempfile.NamedTemporaryFile(dir=self.folder, prefix=".bigmodel-probe-")
+                probe.close()
         except OSError as err:
+            if err.errno in _FULL:
+                raise
             raise PermissionError(
                 f"Offload folder {str(self.folder)!r} is not writable ({err.strerror or err}); "
                 "pass an offload_folder you can write to."
@@ -101,7 +137,7 @@ class OffloadWriter:
         data = raw_bytes(tensor)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         self._staged[name] = Path(tmp)
-        with os.fdopen(fd, "wb") as f:
+        with space_checked(self.folder, path.name, len(data)), os.fdopen(fd, "wb") as f:
             f.write(memoryview(data))
         self.index[name] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
 
@@ -126,7 +162,9 @@ class OffloadWriter:
         try:
             os.link(self._staged[source], tmp)
         except OSError:
-            shutil.copyfile(self._staged[source], tmp)
+            with space_checked(self.folder, path.name, self._staged[source].stat().st_size):
+                self._staged[name] = tmp  # removed by abort() if the copy fails
+                shutil.copyfile(self._staged[source], tmp)
         self._staged[name] = tmp
 
     def point(
