@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from _gguf_files import tiny_llama, write_tiny_gguf  # noqa: E402
+from _gguf_files import tiny_llama, write_tiny_gguf
 
-from bigmodel import load_pretrained  # noqa: E402
-from bigmodel.checkpoints.gguf_meta import config_from_gguf  # noqa: E402
-from bigmodel.cli.main import main  # noqa: E402
+from bigmodel import load_pretrained
+from bigmodel.checkpoints.gguf_meta import config_from_gguf
+from bigmodel.cli.main import main
 
 MESSAGE = r"GGUF file '.*{name}' is truncated or corrupted \((?P<detail>.+)\); download it again\.$"
 

@@ -10,7 +10,6 @@ own kind (``errno`` kept) whose message names the file and what to do.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 
 def check_readable(path: str | os.PathLike, kind: str = "Checkpoint file") -> None:
