@@ -110,14 +110,14 @@ def _save(tensors: dict, path: Path) -> None:
 @pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
 @pytest.mark.parametrize("device_map", [None, {"a": "disk", "b": "cpu"}])
 def test_a_stale_copy_in_another_shard_never_wins(tmp_path, suffix, device_map):
-    """The stale copy comes first (m-1), in memory and on disk; a tensor the index names in a shard that
-    lacks it (b.bias: named in m-1, stored in m-2 only) is still read, from the shard that has it."""
+    """The stale copy comes first (m-1), in memory and on disk; the copy the index names (m-2) wins.
+    (An index naming a shard that lacks the tensor is refused: tests/checkpoints/test_index_agreement.py.)"""
     state = _state()
     stale = {k: torch.zeros_like(v) for k, v in state.items() if k.startswith("a.")}
     _save({**stale, "b.weight": state["b.weight"]}, tmp_path / f"m-1{suffix}")
     _save({k: state[k] for k in ("a.weight", "a.bias", "b.bias")}, tmp_path / f"m-2{suffix}")
     weight_map = {"b.weight": f"m-1{suffix}", "a.weight": f"m-2{suffix}", "a.bias": f"m-2{suffix}",
-                  "b.bias": f"m-1{suffix}"}  # fmt: skip
+                  "b.bias": f"m-2{suffix}"}  # fmt: skip
     index = tmp_path / f"model{suffix}.index.json"
     index.write_text(json.dumps({"weight_map": weight_map}))
     with init_empty_weights():

@@ -36,6 +36,7 @@ from safetensors import safe_open
 from ..core.devices import DeviceSpec, torch_device
 from ..core.file_maps import is_mapped, map_file, read_bytes
 from ..core.tensors import device_of
+from .access import check_readable
 from .resolve import (  # noqa: F401  (resolution lives in .resolve; these names stay importable here)
     INDEX_SUFFIX,
     PICKLE_SUFFIXES,
@@ -96,11 +97,13 @@ class SafetensorsFile:
         path: the file.
 
     Raises:
+        PermissionError / FileNotFoundError / OSError: the file cannot be opened (names it and the fix).
         ValueError: the file is truncated or its header is corrupted (names the file).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        check_readable(self.path)
         self._identity = _identity(self.path)
         self.entries, self._data_start = read_header(self.path)
         self._storage: torch.UntypedStorage | None = None
@@ -164,7 +167,13 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], int]:
-    """Validate ``path`` with safetensors, then return its entries (offset order) and data start (bytes)."""
+    """Validate ``path`` with safetensors, then return its entries (offset order) and data start (bytes).
+
+    Raises:
+        PermissionError / FileNotFoundError / OSError: the file cannot be opened (names it and the fix).
+        ValueError: the file is truncated or its header is corrupted (names the file).
+    """
+    check_readable(path)  # safetensors words an unreadable file as a missing one, then we would call it corrupted
     try:
         with safe_open(str(path), framework="pt") as handle:
             names = list(handle.keys())
@@ -205,10 +214,12 @@ def read_tensor_infos(
             tensors) so that :func:`iter_checkpoint_tensors` need not unpickle them again.
 
     Raises:
-        ValueError / pickle.UnpicklingError: a file is corrupted or unsafe (names the file).
+        ValueError / pickle.UnpicklingError: a file is corrupted or unsafe (names the file); the
+            index puts a tensor in a shard that does not hold it (names the tensor, the shard and the fix).
     """
     infos: dict[str, TensorInfo] = {}
     shard_of = getattr(files, "shard_of", {})
+    held: dict[Path, set[str]] = {}
     for path in files:
         if path.suffix == SAFETENSORS_SUFFIX:
             file_infos = SafetensorsFile(path).infos()
@@ -218,6 +229,7 @@ def read_tensor_infos(
             if keep_loaded is not None and zipfile.is_zipfile(path):  # mapped, so keeping it costs no RAM
                 keep_loaded[path] = tensors
             del tensors
+        held[path] = set(file_infos)
         for name, info in file_infos.items():
             if name in infos:
                 indexed = shard_of.get(name) == path
@@ -226,7 +238,29 @@ def read_tensor_infos(
                 if not indexed:
                     continue
             infos[name] = info
+    _check_index_agrees(shard_of, held, infos)
     return infos
+
+
+def _check_index_agrees(
+    shard_of: Mapping[str, Path], held: Mapping[Path, set[str]], infos: Mapping[str, TensorInfo]
+) -> None:
+    """Raise ValueError naming the first tensor the index puts in a shard whose header lacks it.
+
+    Checked from the headers already read (no tensor data): the index names a shard for each
+    tensor, and that shard must hold it.  A tensor in several shards, the indexed one among
+    them, is fine (see :func:`read_tensor_infos`).
+    """
+    for name, shard in shard_of.items():
+        if shard not in held or name in held[shard]:
+            continue
+        found = infos.get(name)
+        where = (f"it is in {found.file.name!r}" if found is not None
+                 else f"no shard holds it (shards: {sorted(p.name for p in held)})")  # fmt: skip
+        raise ValueError(
+            f"The checkpoint's index puts tensor {name!r} in {shard.name!r} ({str(shard.parent)!r}), but {where}: "
+            "the index and the shards disagree; regenerate the index (or download the checkpoint again)."
+        )
 
 
 def iter_file_tensors(

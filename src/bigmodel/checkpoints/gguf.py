@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .access import check_readable
 from .files import TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -98,11 +99,13 @@ def open_reader(path: str | os.PathLike) -> Any:
 
     Raises:
         FileNotFoundError: no such file.
+        PermissionError / OSError: the file cannot be opened (names it and the fix).
         ValueError: not a GGUF file; a tensor with a quantization type gguf cannot read, or
             whose bytes run past the end of the file (names the tensor and the fix).
     """
     gguf = _require_gguf()
     path = Path(file_key(path)[0])
+    check_readable(path, "GGUF file")
     supported: dict[int, bool] = {}
 
     array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
@@ -135,9 +138,32 @@ def open_reader(path: str | os.PathLike) -> Any:
     except (ValueError, IndexError, struct.error) as error:  # gguf reads past a truncated end as empty views
         if str(path) in str(error):
             raise
-        raise ValueError(
-            f"{str(path)!r} is not a readable GGUF file ({error}); it may be truncated or corrupted: download it again."
-        ) from error
+        raise ValueError(corrupted_message(path, str(error))) from error
+
+
+def corrupted_message(path: str | os.PathLike, detail: str) -> str:
+    """The one message for a GGUF file that cannot be read as a whole: names the file, the detail and the fix."""
+    return f"GGUF file {str(path)!r} is truncated or corrupted ({detail}); download it again."
+
+
+def check_file(path: str | os.PathLike) -> None:
+    """Check that ``path``'s header parses and every tensor's bytes lie inside the file (cached per file).
+
+    Run before anything else parses the file (transformers' config reader fails on a cut file
+    with a reshape or struct error that does not say the file is cut).  About 0.2 s for a
+    100 MB file (the header only; no tensor is read); a file checked once in this process is
+    not checked again until its size or modification time changes.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is truncated or corrupted (see :func:`open_reader`).
+    """
+    _checked(file_key(path))
+
+
+@functools.lru_cache(maxsize=16)
+def _checked(key: tuple[str, int, int]) -> None:
+    open_reader(key[0])  # raises on a bad header or a tensor past the end; the reader is let go
 
 
 def _check_tensor_field(
@@ -169,8 +195,7 @@ def _check_tensor_field(
     end = start + int(offset[0]) + int(np.prod(dims.astype(np.int64))) * size // block
     if end > file_size:
         raise ValueError(
-            f"GGUF file {str(path)!r} is truncated: tensor {name!r} needs bytes up to {end:,} but the file has "
-            f"{file_size:,}; download or copy the file again."
+            corrupted_message(path, f"tensor {name!r} needs bytes up to {end:,} but the file has {file_size:,}")
         )
 
 

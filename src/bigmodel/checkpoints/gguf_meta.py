@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .gguf import file_key
+from .gguf import check_file, file_key
 
 
 def config_from_gguf(path: str | os.PathLike) -> Any:
@@ -26,7 +26,8 @@ def config_from_gguf(path: str | os.PathLike) -> Any:
     Raises:
         ImportError: transformers or gguf is missing.
         FileNotFoundError: no such file.
-        ValueError: transformers does not support the file's architecture (names the file).
+        ValueError: the file is truncated or corrupted, or transformers does not support its
+            architecture (names the file).
     """
     return copy.deepcopy(_cached_config(file_key(path)))
 
@@ -36,6 +37,7 @@ def _cached_config(key: tuple[str, int, int]) -> Any:
     import transformers
 
     path = Path(key[0])
+    check_file(path)  # a cut file is named as such, not as an architecture transformers cannot read
     try:
         return transformers.AutoConfig.from_pretrained(
             str(path.parent), gguf_file=path.name

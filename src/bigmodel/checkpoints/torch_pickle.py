@@ -19,6 +19,7 @@ import torch
 
 from ..core.file_maps import attach, hold, release
 from ..core.subclasses import flatten_tensor, is_tensor_subclass
+from .access import check_readable
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,12 @@ def load_torch_file(path: str | os.PathLike, mmap: bool | None = None) -> dict[s
             mapping is protected (:func:`bigmodel.core.file_maps.hold`) and reads it otherwise.
 
     Raises:
+        PermissionError / FileNotFoundError / OSError: the file cannot be opened (names it and the fix).
         pickle.UnpicklingError: the pickle would need to run code (names the file and the fix).
         ValueError: the file is corrupted or not a torch checkpoint of tensors.
     """
     path = Path(path)
+    check_readable(path)  # torch.load's OSError would otherwise be reported as a corrupted file
     guard = hold(path) if mmap is not False and zipfile.is_zipfile(path) else None
     try:
         tensors = _load(path, mmap=guard is not None)

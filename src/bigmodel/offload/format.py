@@ -171,17 +171,29 @@ def load_offload_index(folder: str | os.PathLike) -> dict[str, dict]:
     """The ``index.json`` of an offload folder (empty dict if there is none).
 
     Raises:
-        ValueError: the index exists but is not valid JSON (names the file).
+        ValueError: the index exists but is not valid JSON, or not a JSON object (names the file).
     """
     path = Path(folder) / INDEX_NAME
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        index = json.loads(path.read_text())
     except ValueError as err:
         raise ValueError(
             f"Offload index {str(path)!r} is corrupted ({err}); delete the offload folder and reload."
         ) from err
+    if not isinstance(index, dict):
+        raise ValueError(
+            f"{str(path)!r} is not an offload index (it holds a JSON {type(index).__name__}, not an object of "
+            "entries); pass an offload_folder of its own (or move that index.json away)."
+        )
+    return index
+
+
+def is_offload_index(index: object) -> bool:
+    """True if ``index`` (a parsed ``index.json``) is an offload index: a JSON object whose every entry is a JSON
+    object with a ``"dtype"`` (a ``.dat`` entry, or a pointer into a safetensors file)."""
+    return isinstance(index, Mapping) and all(isinstance(e, Mapping) and "dtype" in e for e in index.values())
 
 
 def entry_files(name: str, entry: object) -> set[str]:
@@ -245,7 +257,7 @@ def files_no_offload_wrote(folder: str | os.PathLike, names: list[str]) -> list[
             index = json.loads(index_path.read_text())
         except (ValueError, UnicodeDecodeError, OSError):
             index = None
-    ours = isinstance(index, Mapping) and all(isinstance(e, Mapping) and "dtype" in e for e in index.values())
+    ours = is_offload_index(index)
     foreign = [] if ours or not index_path.exists() else [index_path]
     owned = {n for name, entry in index.items() for n in entry_files(name, entry)} if ours else set()
     listings: dict[Path, dict[str, list[str]]] = {}

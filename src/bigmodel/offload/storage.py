@@ -22,7 +22,12 @@ from torch import nn
 from ..checkpoints.files import SafetensorsFile
 from ..core.devices import DeviceSpec, torch_device
 from ..core.file_maps import is_mapped
-from ..core.subclasses import check_flattenable, detached, flatten_tensor, is_tensor_subclass
+from ..core.subclasses import (
+    check_flattenable,
+    detached,
+    flatten_tensor,
+    is_tensor_subclass,
+)
 from ..core.tensors import set_module_tensor_to_device
 from .format import (
     INDEX_NAME,
@@ -34,7 +39,15 @@ from .format import (
     parse_dtype,
 )
 from .subclass_format import subclass_entry
-from .writer import OffloadWriter, atomic_write, raw_bytes, write_index
+from .writer import (
+    OffloadWriter,
+    atomic_write,
+    index_to_merge,
+    raw_bytes,
+    space_checked,
+    warn_replaced,
+    write_index,
+)
 
 __all__ = [
     "INDEX_NAME",
@@ -91,7 +104,8 @@ def offload_weight(
     folder.mkdir(parents=True, exist_ok=True)
     path = dat_path(folder, weight_name, create=True)
     data = raw_bytes(weight)
-    atomic_write(path, lambda f: f.write(memoryview(data)))
+    with space_checked(folder, path.name, len(data)):
+        atomic_write(path, lambda f: f.write(memoryview(data)))
     index[weight_name] = {"dtype": dtype_name(weight.dtype), "shape": list(weight.shape)}
     return index
 
@@ -105,15 +119,19 @@ def save_offload_index(index: Mapping[str, dict] | None, offload_folder: str | o
         offload_folder: the offload folder (it must exist when there is something to write).
 
     Raises:
-        ValueError: the existing ``index.json`` is not a valid index (names the file).
+        ValueError: the existing ``index.json`` is not a valid offload index (names the file); nothing is written.
         OSError: the folder cannot be written (the previous index is left as it was).
+
+    Warns:
+        UserWarning: entries of the same names but another shape or dtype were replaced (see
+            :func:`bigmodel.offload.writer.warn_replaced`).
     """
     if not index:
         return
     folder = Path(offload_folder)
-    merged = load_offload_index(folder)
-    merged.update(index)
-    write_index(merged, folder)
+    previous = index_to_merge(folder)
+    write_index({**previous, **index}, folder)
+    warn_replaced(folder, previous, index)
 
 
 def load_offloaded_weights(model: nn.Module, index: Mapping[str, dict] | None, offload_folder: str | os.PathLike) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -13,10 +16,46 @@ from typing import Any
 import torch
 
 from ..core.subclasses import check_flattenable, is_tensor_subclass
-from .format import INDEX_NAME, dat_path, dtype_name, load_offload_index
+from ..core.warn import caller_stacklevel
+from .format import (
+    INDEX_NAME,
+    dat_path,
+    dtype_name,
+    is_offload_index,
+    load_offload_index,
+)
 from .subclass_format import is_subclass_entry, part_files, part_name, subclass_entry
 
-__all__ = ["OffloadWriter", "atomic_write", "raw_bytes", "write_index"]
+__all__ = ["OffloadWriter", "atomic_write", "index_to_merge", "raw_bytes", "space_checked", "warn_replaced",
+           "write_index"]
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full file system, a full quota
+
+
+@contextlib.contextmanager
+def space_checked(folder: Path, what: str, size: int) -> Any:
+    """Re-raise a full disk (or quota) inside the block as an ``OSError`` naming the folder, the bytes and the fix.
+
+    The error keeps the system's ``errno`` (``ENOSPC`` / ``EDQUOT``); its text names ``folder``,
+    ``what`` was written (a file name), ``size`` (bytes) and the bytes still free there.
+
+    Raises:
+        OSError: the block ran out of space (named as above), or failed otherwise (unchanged).
+    """
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _FULL:
+            raise
+        try:
+            free = f"{shutil.disk_usage(folder).free:,} bytes free there"
+        except OSError:
+            free = "free space unknown"
+        raise OSError(
+            error.errno,
+            f"No space left in offload folder {str(folder)!r} to write {what} ({size:,} bytes; {free}): "
+            f"{error.strerror or error}; free some space there or pass another offload_folder.",
+        ) from error
 
 
 def atomic_write(path: Path, write: Any) -> None:
@@ -41,8 +80,55 @@ def raw_bytes(weight: torch.Tensor):
 
 def write_index(index: Mapping[str, dict], folder: Path) -> None:
     text = json.dumps(index, indent=2, sort_keys=True).encode()
-    atomic_write(folder / INDEX_NAME, lambda f: f.write(text))
+    with space_checked(folder, INDEX_NAME, len(text)):
+        atomic_write(folder / INDEX_NAME, lambda f: f.write(text))
 
+
+def index_to_merge(folder: Path) -> dict[str, dict]:
+    """The folder's ``index.json`` (``{}`` if none), checked to be an offload index before entries are merged into it.
+
+    Raises:
+        ValueError: ``index.json`` is not an offload index (a user's file: names the first entry that is not
+            of the offload form, and the fix); nothing has been written.
+    """
+    index = load_offload_index(folder)
+    if is_offload_index(index):
+        return index
+    if isinstance(index, Mapping):
+        key = next(k for k, e in index.items() if not isinstance(e, Mapping) or "dtype" not in e)
+        what = f"its entry {key!r} is {json.dumps(index[key])[:60]}, not an object with a \"dtype\""
+    else:
+        what = f"it holds a JSON {type(index).__name__}, not an object of entries"
+    raise ValueError(
+        f"{str(folder / INDEX_NAME)!r} is not an offload index ({what}); bigmodel will not merge its offload "
+        "entries into another file: pass an offload_folder of its own (or move that index.json away)."
+    )
+
+
+def warn_replaced(folder: Path, previous: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    """Warn (``UserWarning``) if entries of ``new`` replace entries of ``previous`` of another shape or dtype.
+
+    Rewriting the same model into its folder keeps every name's shape and dtype and is silent;
+    another shape or dtype under the same name means the folder held another model's offload,
+    whose other entries are still there (a folder mixing two models).
+    """
+    differing = [
+        f"{name!r}: {previous[name].get('dtype')} {previous[name].get('shape')} -> {entry.get('dtype')} "
+        f"{entry.get('shape')}"
+        for name, entry in new.items()
+        if name in previous
+        and (previous[name].get("dtype"), previous[name].get("shape")) != (entry.get("dtype"), entry.get("shape"))
+    ]
+    if differing:
+        others = len(set(previous) - set(new))
+        warnings.warn(
+            f"Offload folder {str(folder)!r} held {len(differing)} tensor(s) under the same names with another "
+            f"shape or dtype, now replaced ({'; '.join(differing[:3])}): it held another model's offload (or "
+            f"this one's in another dtype), and its {others} other entr{'y' if others == 1 else 'ies'} may "
+            "still be that model's; use one offload_folder per model (or delete this one first).",
+            UserWarning,
+            stacklevel=caller_stacklevel(),
+        )
 
 
 class OffloadWriter:
@@ -58,6 +144,9 @@ class OffloadWriter:
 
     Raises:
         PermissionError: the folder cannot be created or written (names the path and the fix).
+        ValueError: the folder's ``index.json`` is not an offload index (see :func:`index_to_merge`).
+        OSError: ``ENOSPC`` / ``EDQUOT``, here or in :meth:`write` / :meth:`commit`: the disk is full
+            (names the folder, the file and its bytes, the bytes free and the fix; see :func:`space_checked`).
     """
 
     def __init__(self, folder: str | os.PathLike) -> None:
@@ -68,14 +157,18 @@ class OffloadWriter:
                 "offload_folder that names a folder (it is created if missing)."
             )
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=self.folder, prefix=".bigmodel-probe-")
-            probe.close()
+            with space_checked(self.folder, "a probe file", 0):
+                self.folder.mkdir(parents=True, exist_ok=True)
+                probe = tempfile.NamedTemporaryFile(dir=self.folder, prefix=".bigmodel-probe-")
+                probe.close()
         except OSError as err:
+            if err.errno in _FULL:
+                raise
             raise PermissionError(
                 f"Offload folder {str(self.folder)!r} is not writable ({err.strerror or err}); "
                 "pass an offload_folder you can write to."
             ) from err
+        index_to_merge(self.folder)  # refuse a user's index.json before anything is written
         self.index: dict[str, dict] = {}
         self._staged: dict[str, Path] = {}
         self._owner: dict[str, str] = {}  # staged part file name → the subclass tensor it belongs to
@@ -101,7 +194,7 @@ class OffloadWriter:
         data = raw_bytes(tensor)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         self._staged[name] = Path(tmp)
-        with os.fdopen(fd, "wb") as f:
+        with space_checked(self.folder, path.name, len(data)), os.fdopen(fd, "wb") as f:
             f.write(memoryview(data))
         self.index[name] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
 
@@ -126,7 +219,9 @@ class OffloadWriter:
         try:
             os.link(self._staged[source], tmp)
         except OSError:
-            shutil.copyfile(self._staged[source], tmp)
+            with space_checked(self.folder, path.name, self._staged[source].stat().st_size):
+                self._staged[name] = tmp  # removed by abort() if the copy fails
+                shutil.copyfile(self._staged[source], tmp)
         self._staged[name] = tmp
 
     def point(
@@ -146,15 +241,16 @@ class OffloadWriter:
         Entries of the previous index whose files are replaced are first dropped from it (one
         atomic write), so no index ever describes a file holding other bytes.
         """
-        previous = load_offload_index(self.folder)
+        previous = index_to_merge(self.folder)
         replaced = {self._owner.get(name, name) for name in self._staged} & set(previous)
         if replaced:
             write_index({k: v for k, v in previous.items() if k not in replaced}, self.folder)
         for name, tmp in list(self._staged.items()):
             os.replace(tmp, dat_path(self.folder, name))
             del self._staged[name]
-        previous.update(self.index)
-        write_index(previous, self.folder)
+        merged = {**previous, **self.index}
+        write_index(merged, self.folder)
+        warn_replaced(self.folder, previous, self.index)
 
     def abort(self) -> None:
         """Delete the staged files; the folder's index is left as it was."""
