@@ -1,4 +1,6 @@
-"""A sharded checkpoint's index that puts a tensor in a shard whose header lacks it is refused, naming both."""
+"""A sharded checkpoint's index that puts a tensor in a shard whose header lacks it: a warning naming
+both, and the tensor loaded from the shard that holds it (transformers and the incumbent load every
+tensor of every indexed shard, so such a checkpoint works there)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bigmodel import load_checkpoint_and_dispatch, load_checkpoint_in_model
+from bigmodel import load_checkpoint_and_dispatch
 from bigmodel.checkpoints.files import read_tensor_infos, resolve_checkpoint_files
 
 
@@ -33,39 +35,41 @@ TRUE_MAP = {"0.weight": "a.safetensors", "0.bias": "a.safetensors", "2.bias": "a
             "2.weight": "b.safetensors"}  # fmt: skip
 
 
-def test_a_tensor_in_another_shard_than_the_index_says_is_named(tmp_path: Path) -> None:
+def test_a_tensor_in_another_shard_than_the_index_says_is_named_and_loaded(tmp_path: Path) -> None:
     index = _shards(tmp_path, {**TRUE_MAP, "2.bias": "b.safetensors"})
-    message = (r"index puts tensor '2\.bias' in 'b\.safetensors' \(.*\), but it is in 'a\.safetensors': the index and "
-               r"the shards disagree; regenerate the index")  # fmt: skip
-    with pytest.raises(ValueError, match=message):
-        read_tensor_infos(resolve_checkpoint_files(index))
+    message = (r"index in .* and its shards disagree on 1 tensor\(s\): '2\.bias' \(indexed in 'b\.safetensors', "
+               r"read from 'a\.safetensors'\); regenerate the index")  # fmt: skip
+    with pytest.warns(UserWarning, match=message) as caught:
+        infos = read_tensor_infos(resolve_checkpoint_files(index))
+    assert infos["2.bias"].file.name == "a.safetensors"
+    assert [w.filename for w in caught] == [__file__]
+    expected = _net()
+    x = torch.randn(2, 4)
     model = _net()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    zeros = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=message):
-        load_checkpoint_and_dispatch(model, tmp_path, device_map={"": "cpu"})
-    assert all(torch.equal(v, zeros[k]) for k, v in model.state_dict().items())  # nothing loaded
-    assert before  # the true values are what a right index loads:
-    _shards(tmp_path, TRUE_MAP)
-    load_checkpoint_in_model(model, tmp_path)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.warns(UserWarning, match=message):
+        model = load_checkpoint_and_dispatch(model, tmp_path, device_map={"": "cpu"})
+    assert torch.equal(model(x), expected(x))
 
 
-def test_a_tensor_in_no_shard_is_named(tmp_path: Path) -> None:
+def test_a_tensor_in_no_shard_is_named_and_reported_missing(tmp_path: Path) -> None:
     index = _shards(tmp_path, TRUE_MAP)
     state = _net().state_dict()
     save_file({"0.weight": state["0.weight"], "0.bias": state["0.bias"]}, tmp_path / "a.safetensors")  # 2.bias lost
-    with pytest.raises(ValueError, match=r"tensor '2\.bias' in 'a\.safetensors' .*no shard holds it \(shards: "
-                                         r"\['a\.safetensors', 'b\.safetensors'\]\): the index and the shards disagree"):
-        read_tensor_infos(resolve_checkpoint_files(index))
+    with pytest.warns(UserWarning, match=r"'2\.bias' \(indexed in 'a\.safetensors', in no shard\)"):
+        infos = read_tensor_infos(resolve_checkpoint_files(index))
+    assert "2.bias" not in infos
 
 
 def test_a_tensor_in_both_shards_the_indexed_one_among_them_still_loads(tmp_path: Path) -> None:
+    import warnings
+
     index = _shards(tmp_path, TRUE_MAP)
     state = _net().state_dict()
     save_file({"2.weight": state["2.weight"], "2.bias": state["2.bias"]}, tmp_path / "b.safetensors")
-    infos = read_tensor_infos(resolve_checkpoint_files(index))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        infos = read_tensor_infos(resolve_checkpoint_files(index))
     assert infos["2.bias"].file.name == "a.safetensors" and infos["2.weight"].file.name == "b.safetensors"

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import struct
+import warnings
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from safetensors import safe_open
 from ..core.devices import DeviceSpec, torch_device
 from ..core.file_maps import is_mapped, map_file, read_bytes
 from ..core.tensors import device_of
+from ..core.warn import caller_stacklevel
 from .access import check_readable
 from .resolve import (  # noqa: F401  (resolution lives in .resolve; these names stay importable here)
     INDEX_SUFFIX,
@@ -215,7 +217,7 @@ def read_tensor_infos(
 
     Raises:
         ValueError / pickle.UnpicklingError: a file is corrupted or unsafe (names the file); the
-            index puts a tensor in a shard that does not hold it (names the tensor, the shard and the fix).
+            index putting a tensor in a shard that does not hold it is a ``UserWarning`` (names both).
     """
     infos: dict[str, TensorInfo] = {}
     shard_of = getattr(files, "shard_of", {})
@@ -245,21 +247,25 @@ def read_tensor_infos(
 def _check_index_agrees(
     shard_of: Mapping[str, Path], held: Mapping[Path, set[str]], infos: Mapping[str, TensorInfo]
 ) -> None:
-    """Raise ValueError naming the first tensor the index puts in a shard whose header lacks it.
+    """Warn (``UserWarning``) naming the tensors the index puts in a shard whose header lacks them.
 
-    Checked from the headers already read (no tensor data): the index names a shard for each
-    tensor, and that shard must hold it.  A tensor in several shards, the indexed one among
-    them, is fine (see :func:`read_tensor_infos`).
+    Checked from the headers already read (no tensor data).  Such a tensor is loaded from the shard
+    that holds it, as transformers and the incumbent load every tensor of every indexed shard; one
+    in no shard is left to the missing-keys report.  A tensor in several shards, the indexed one
+    among them, is read from the indexed one (see :func:`read_tensor_infos`).
     """
+    wrong = []
     for name, shard in shard_of.items():
         if shard not in held or name in held[shard]:
             continue
         found = infos.get(name)
-        where = (f"it is in {found.file.name!r}" if found is not None
-                 else f"no shard holds it (shards: {sorted(p.name for p in held)})")  # fmt: skip
-        raise ValueError(
-            f"The checkpoint's index puts tensor {name!r} in {shard.name!r} ({str(shard.parent)!r}), but {where}: "
-            "the index and the shards disagree; regenerate the index (or download the checkpoint again)."
+        where = f"read from {found.file.name!r}" if found is not None else "in no shard"
+        wrong.append(f"{name!r} (indexed in {shard.name!r}, {where})")
+    if wrong:
+        warnings.warn(
+            f"The checkpoint's index in {str(next(iter(held)).parent)!r} and its shards disagree on {len(wrong)} "
+            f"tensor(s): {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}; regenerate the index "
+            "(or download the checkpoint again).", UserWarning, stacklevel=caller_stacklevel(),
         )
 
 
