@@ -98,3 +98,14 @@ def test_balanced_slack_counts_no_split_modules_whole():
     assert get_balanced_memory(model, {0: 10**6, 1: 10**6})[0] == 4000 + 1250
     assert get_balanced_memory(model, {0: 10**6, 1: 10**6}, ["Pair"])[0] == 4000 + 2500
     assert get_balanced_memory(model, {0: 10**6, 1: 10**6}, "Pair")[0] == 4000 + 2500
+
+
+def test_budgets_for_accelerators_this_machine_lacks_are_warned_about(caplog):
+    absent = accelerator_count() + 7
+    with caplog.at_level("WARNING", logger="bigmodel.planning.memory"):
+        assert get_max_memory({absent: "1GB", "cpu": 100}) == {absent: 10**9, "cpu": 100}  # still planned for
+    assert f"names accelerator(s) [{absent}], which this machine does not have" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="bigmodel.planning.memory"):
+        get_max_memory({"cpu": 100, "disk": 10})
+    assert caplog.text == ""

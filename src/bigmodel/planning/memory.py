@@ -102,7 +102,20 @@ def get_max_memory(max_memory: Mapping[DeviceSpec, int | str] | None = None) -> 
         for key, size in converted.items():
             if isinstance(max_memory[key], str):
                 max_memory[key] = size
+    _warn_absent(budgets)
     return dict(sorted(budgets.items(), key=lambda item: device_sort_key(item[0])))
+
+
+def _warn_absent(budgets: Mapping[int | str, int]) -> None:
+    """Log a warning (as the incumbent does) for accelerator indices this machine does not have: a map
+    planned with them can be written (``bigmodel plan`` for another machine) but not dispatched here."""
+    count = accelerator_count()
+    absent = sorted(d for d in budgets if isinstance(d, int) and d >= count)
+    if absent:
+        logger.warning(
+            "max_memory names accelerator(s) %s, which this machine does not have (%d found): a device map "
+            "planned with them cannot be dispatched here; drop those keys to plan for this machine.", absent, count,
+        )
 
 
 def _balance_layer_size(
