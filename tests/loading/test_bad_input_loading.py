@@ -135,24 +135,29 @@ def test_a_stale_copy_in_another_shard_never_wins(tmp_path, suffix, device_map):
 
 
 @pytest.mark.parametrize("stored", [torch.int64, torch.bool])
-def test_an_integer_checkpoint_tensor_for_a_floating_parameter_is_refused(tmp_path, stored):
+def test_an_integer_checkpoint_tensor_takes_the_floating_model_dtype(tmp_path, stored):
     state = _state()
     state["a.weight"] = (state["a.weight"] * 10).to(stored)
     save_file(state, tmp_path / "model.safetensors")
     model = Net()
-    before = model.a.weight.detach().clone()
-    with pytest.raises(TypeError, match=r"'a\.weight': checkpoint dtype (int64|bool), parameter dtype float32"):
-        load_checkpoint_in_model(model, tmp_path)
-    assert torch.equal(model.a.weight, before)
+    load_checkpoint_in_model(model, tmp_path)
+    assert model.a.weight.dtype == torch.float32
+    assert torch.equal(model.a.weight, state["a.weight"].to(torch.float32))
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("device_map", [{"": "cpu"}, {"a": "disk", "b": "cpu"}])
-def test_an_integer_checkpoint_tensor_is_refused_before_anything_is_written(tmp_path, device_map):
+def test_an_integer_checkpoint_tensor_is_a_float_in_memory_and_on_disk(tmp_path, device_map, dtype):
     state = _state()
     state["a.weight"] = (state["a.weight"] * 10).to(torch.int64)
     save_file(state, tmp_path / "model.safetensors")
     with init_empty_weights():
         model = Net()
-    with pytest.raises(TypeError, match=r"'a\.weight': checkpoint dtype int64, parameter dtype float32"):
-        load_checkpoint_and_dispatch(model, tmp_path, device_map=device_map, offload_folder=tmp_path / "off")
-    assert not (tmp_path / "off").exists()
+    load_checkpoint_and_dispatch(model, tmp_path, device_map=device_map, offload_folder=tmp_path / "off", dtype=dtype)
+    expected = dtype or torch.float32
+    assert model.a.weight.dtype == expected
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0), dtype=expected)
+    reference = Net().to(expected)
+    reference.load_state_dict({k: v.to(expected) for k, v in state.items()})
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))

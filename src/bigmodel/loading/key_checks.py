@@ -126,30 +126,3 @@ def check_filled(
 def _mapped_to(name: str, device_map: Mapping[str, DeviceSpec] | None) -> object:
     """The device the map gives ``name`` as given (None when there is no map or it is not covered)."""
     return device_of(name, device_map) if device_map is not None and is_covered(name, device_map) else None
-
-
-def check_dtypes(
-    expected: Mapping[str, torch.Tensor], infos: Mapping[str, TensorInfo], aliases: Mapping[str, list[str]]
-) -> None:
-    """Refuse integer or bool checkpoint values for floating parameters (a cast would silently change them).
-
-    A floating value into a parameter of another floating dtype is cast as usual, and integer values
-    into integer tensors are kept.
-
-    Raises:
-        TypeError: names each such key, the checkpoint dtype and the parameter dtype.
-    """
-    pairs = [(n, n) for n in infos if n in expected] + [(a, k) for k, names in aliases.items() for a in names]
-    bad = [
-        f"{name!r}: checkpoint dtype {str(infos[key].dtype).removeprefix('torch.')}, parameter dtype "
-        f"{str(expected[name].dtype).removeprefix('torch.')}"
-        for name, key in sorted(pairs)
-        if isinstance(expected[name], nn.Parameter) and (expected[name].is_floating_point() or expected[name].is_complex())
-        and not (infos[key].dtype.is_floating_point or infos[key].dtype.is_complex)
-    ]  # fmt: skip
-    if bad:
-        raise TypeError(
-            f"The checkpoint holds integer/bool values for {len(bad)} floating parameter(s): {listed(bad)}. They are "
-            "not cast silently; save the checkpoint with floating values for them (or load into a model whose "
-            "parameters have the checkpoint's dtype)."
-        )

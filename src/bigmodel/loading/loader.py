@@ -51,7 +51,7 @@ from ..offload.quantized import check_form, quantizable_names
 from ..offload.quantized_store import QuantizedFolderWrites
 from ..offload.storage import OffloadWriter
 from .conversion import KeyConversion, TensorRouter, convert_infos
-from .key_checks import check_dtypes, check_shapes, listed, placeable_device, report_keys
+from .key_checks import check_shapes, listed, placeable_device, report_keys
 from .resident import bring_back, read_whole_pickles, unmapped
 
 logger = logging.getLogger(__name__)
@@ -132,9 +132,7 @@ def load_checkpoint_in_model(
         ValueError: corrupted checkpoint, shape mismatch (names the key and both shapes),
             ``"disk"`` in the map without ``offload_folder``, an offload into the checkpoint's
             folder that would overwrite a file no offload wrote (names it), missing/unexpected
-            keys with ``strict=True``.
-        TypeError: an integer/bool checkpoint value for a floating parameter (names the key and
-            both dtypes).  All of these are raised before the model is modified.
+            keys with ``strict=True``.  All of these are raised before the model is modified.
         PermissionError: the offload folder is not writable.
     """
     if broadcast_from_rank0:
@@ -225,7 +223,6 @@ def _make_plan(
     unexpected = sorted(set(infos) - set(expected))
     report_keys(missing, unexpected, strict)
     check_shapes(expected, infos, plan.aliases)
-    check_dtypes(expected, infos, plan.aliases)  # no integer/bool value silently cast into a float parameter
     sourced = {name: infos.get(name) or next((infos[k] for k, v in plan.aliases.items() if name in v), None)
                for name in expected}
     sourced = {name: source for name, source in sourced.items() if source is not None}
