@@ -15,6 +15,13 @@ from .writer import write_index
 logger = logging.getLogger(__name__)
 
 
+def _offload_file(name: str) -> bool:
+    """True for the kinds of file an offload writes: ``.dat`` files, ``index.json``, and the writer's
+    temporary files (``.<name>.*.tmp``, ``.bigmodel-probe-*``)."""
+    return (name.endswith(".dat") or name == INDEX_NAME or (name.startswith(".") and name.endswith(".tmp"))
+            or name.startswith(".bigmodel-probe-"))
+
+
 def _identity(path: Path) -> tuple[int, int]:
     stat = path.stat()
     return stat.st_ino, stat.st_mtime_ns
@@ -23,8 +30,9 @@ def _identity(path: Path) -> tuple[int, int]:
 class OffloadFolderUndo:
     """Context manager: when its block raises, remove what the block added to ``folder``.
 
-    Files and subfolders that were not there on entry are deleted (the whole folder when the
-    block created it), and ``index.json`` gets its previous content back, less the entries whose
+    Files an offload writes (``.dat``, ``index.json``, its temporary files) and emptied subfolders that
+    were not there on entry are deleted (the whole folder when the block created it; any other file
+    added meanwhile, e.g. by another process in a shared folder, is left), and ``index.json`` gets its previous content back, less the entries whose
     files the block replaced (so no entry describes a file holding other bytes).  Files that were
     there before are never deleted.  Nothing happens when the block succeeds.
 
@@ -62,11 +70,14 @@ class OffloadFolderUndo:
             shutil.rmtree(folder)
             return
         added = sorted((p for p in folder.rglob("*") if str(p.relative_to(folder)) not in self._before),
-                       key=lambda p: len(p.parts), reverse=True)  # fmt: skip
+                       key=lambda p: len(p.parts), reverse=True)  # deepest first  # fmt: skip
         for path in added:
             if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
+                try:
+                    path.rmdir()  # only when emptied: a subfolder of tensor names ("a/b.dat")
+                except OSError:
+                    pass
+            elif _offload_file(path.name):  # never a file of another kind (another process's, in a shared folder)
                 path.unlink(missing_ok=True)
         if self._index is not None:
             self._restore_index(folder)
