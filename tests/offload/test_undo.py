@@ -40,3 +40,40 @@ def test_a_folder_the_block_created_is_removed_and_success_keeps_everything(tmp_
         folder.mkdir()
         (folder / "w.dat").write_bytes(b"0")
     assert sorted(p.name for p in folder.iterdir()) == ["w.dat"]
+
+
+def test_entries_whose_files_were_replaced_go_even_when_the_index_reads_the_same(tmp_path: Path) -> None:
+    """Another model of the same names, shapes and dtypes: the index comes out byte-identical, but the
+    replaced .dat file no longer holds what the entry described."""
+    folder = tmp_path / "off"
+    folder.mkdir()
+    entries = {"w": {"dtype": "float32", "shape": [1]}, "b": {"dtype": "float32", "shape": [1]}}
+    (folder / "index.json").write_text(json.dumps(entries))
+    (folder / "w.dat").write_bytes(b"AAAA")
+    (folder / "b.dat").write_bytes(b"BBBB")
+    with pytest.raises(KeyboardInterrupt), OffloadFolderUndo(folder):
+        replacement = folder / ".w.dat.1.tmp"
+        replacement.write_bytes(b"ZZZZ")
+        replacement.replace(folder / "w.dat")  # as the writer replaces a file
+        raise KeyboardInterrupt
+    assert json.loads((folder / "index.json").read_text()) == {"b": entries["b"]}
+
+
+def test_folders_and_links_that_were_there_stay(tmp_path: Path) -> None:
+    folder = tmp_path / "off"
+    (folder / "empty").mkdir(parents=True)
+    (folder / "sub" / "empty").mkdir(parents=True)
+    (folder / "dangling.dat").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(RuntimeError), OffloadFolderUndo(folder):
+        (folder / "w.dat").write_bytes(b"0")
+        raise RuntimeError("the load failed")
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == ["dangling.dat", "empty", "sub", "sub/empty"]
+
+
+def test_parent_folders_the_block_created_go_when_empty(tmp_path: Path) -> None:
+    folder = tmp_path / "new" / "deep" / "off"
+    with pytest.raises(RuntimeError), OffloadFolderUndo(folder):
+        folder.mkdir(parents=True)
+        (folder / "w.dat").write_bytes(b"0")
+        raise RuntimeError("the load failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -43,16 +43,25 @@ class OffloadFolderUndo:
     def __init__(self, folder: str | os.PathLike | None) -> None:
         self.folder = Path(folder) if folder is not None else None
         self._existed = False
-        self._before: dict[str, tuple[int, int]] = {}
+        self._present: set[str] = set()  # every path inside the folder on entry (folders and links too)
+        self._before: dict[str, tuple[int, int]] = {}  # the regular files among them: their identity
         self._index: bytes | None = None
+        self._created_parents: list[Path] = []  # missing ancestors on entry, innermost first
 
     def __enter__(self) -> OffloadFolderUndo:
         folder = self.folder
         self._existed = folder is not None and folder.is_dir()
         if self._existed:
-            self._before = {str(p.relative_to(folder)): _identity(p) for p in folder.rglob("*") if p.is_file()}
+            paths = {str(p.relative_to(folder)): p for p in folder.rglob("*")}
+            self._present = set(paths)
+            self._before = {key: _identity(p) for key, p in paths.items() if p.is_file() and not p.is_symlink()}
             index = folder / INDEX_NAME
             self._index = index.read_bytes() if index.is_file() else None
+        elif folder is not None:
+            parent = folder.absolute().parent
+            while not parent.exists() and parent != parent.parent:
+                self._created_parents.append(parent)
+                parent = parent.parent
         return self
 
     def __exit__(
@@ -68,8 +77,13 @@ class OffloadFolderUndo:
     def _undo(self, folder: Path) -> None:
         if not self._existed:
             shutil.rmtree(folder)
+            for parent in self._created_parents:  # made by mkdir(parents=True): removed while empty
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
             return
-        added = sorted((p for p in folder.rglob("*") if str(p.relative_to(folder)) not in self._before),
+        added = sorted((p for p in folder.rglob("*") if str(p.relative_to(folder)) not in self._present),
                        key=lambda p: len(p.parts), reverse=True)  # deepest first  # fmt: skip
         for path in added:
             if path.is_dir() and not path.is_symlink():
@@ -84,8 +98,6 @@ class OffloadFolderUndo:
 
     def _restore_index(self, folder: Path) -> None:
         index = folder / INDEX_NAME
-        if index.is_file() and index.read_bytes() == self._index:
-            return
         try:
             previous = json.loads(self._index or b"{}")
         except ValueError:
@@ -94,7 +106,9 @@ class OffloadFolderUndo:
             index.write_bytes(self._index or b"")
             return
         kept = {name: entry for name, entry in previous.items() if not self._replaced(folder, name, entry)}
-        write_index(kept, folder)
+        if kept == previous and index.is_file() and index.read_bytes() == self._index:
+            return  # untouched, and no file it describes was replaced
+        write_index(kept, folder)  # also when the bytes came out the same: replaced files lose their entries
 
     def _replaced(self, folder: Path, name: str, entry: object) -> bool:
         for file_name in entry_files(name, entry):
