@@ -297,6 +297,7 @@ def dispatch_model(
         weights_map = OffloadedWeightsLoader(
             state_dict=state_dict or {}, save_folder=offload_dir if disk_modules else None, index=offload_index
         )
+        weights_map.map_dat_files()  # the model keeps its .dat values if another offload rewrites the folder
         weights_map = wrap_weights_map(weights_map, form, in_ram, offload_dir if on_disk else None, on_disk)
     place_uncovered_buffers(model, device_map, main)
     tied, tied_map = _tied_params_map(model)

@@ -266,6 +266,7 @@ def disk_offload(
     ensure_offloaded(offload_dir, rest)
     device = execution_device if execution_device is not None else _default_device(model)
     loader = OffloadedWeightsLoader(save_folder=offload_dir, index=load_offload_index(offload_dir))  # {} if no tensor
+    loader.map_dat_files()  # the model keeps its values if another offload rewrites the folder
     weights_map = wrap_weights_map(loader, form, None, offload_dir, quantized)
     _attach_whole_model(model, device, weights_map, offload_buffers, preload_module_classes)
     return model

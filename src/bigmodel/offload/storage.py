@@ -300,6 +300,21 @@ class OffloadedWeightsLoader(Mapping):
             self._mapped[key] = tensor
             return detached(tensor)
 
+    def map_dat_files(self) -> None:
+        """Map the file of every ``.dat`` entry now (no page is read), as a first read would: a file
+        replaced later (another offload into the same folder writes a new file under the name) is then
+        not seen by this loader, whose model keeps its own values.  An entry that cannot be mapped
+        here is left to its first read, which raises naming it (or reads a copy)."""
+        if self._folder is None or self.device is not None:
+            return
+        for key, info in self.index.items():
+            if "safetensors_file" in info or key in self.state_dict or key in self._mapped:
+                continue
+            try:
+                self._map(key)
+            except Exception:  # noqa: BLE001  (the first read raises it again, naming the entry)
+                continue
+
     def value_token(self, key: str) -> torch.Tensor | None:
         """The tensor ``self[key]`` is read from, for identity checks only (never change it or hand it out):
         the in-memory entry, or the kept view of the mapped file; the same object while the value is.
