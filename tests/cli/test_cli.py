@@ -185,6 +185,8 @@ def test_unknown_dtype_in_a_subprocess_is_one_line_exit_2(tiny: Path) -> None:
         ("no-tokenizer", r"has no tokenizer .* save one there with tokenizer\.save_pretrained"),
         ("tiny-budget", r"with the budgets \{'cpu': 1,000, 'disk': 1,000\} .* Raise the \"disk\" budget"),
         ("no-layer-fits", r"too small for even one layer outside disk and no --offload-folder .* pass --offload-folder"),
+        ("all-disk-map-file", r"The device map file '.*all-disk\.json' puts the whole model on disk and no "
+                              r"--offload-folder was given; pass --offload-folder DIR"),
         ("bad-budget", r"--max-memory item 'cpu' is not DEVICE=SIZE; write e\.g\. cpu=2GiB"),
         ("plan-no-config", r"No config\.json in"),
     ],
@@ -195,6 +197,8 @@ def test_bad_input_is_one_line_exit_2(case: str, message: str, tiny: Path, tmp_p
         "no-tokenizer": ["generate", str(copy_without_tokenizer(tiny, tmp_path / "m")), "--prompt", "w1"],
         "tiny-budget": ["generate", str(tiny), "--prompt", "w1", "--max-memory", "cpu=1KB", "disk=1KB"],
         "no-layer-fits": ["generate", str(tiny), "--prompt", "w1", "--max-memory", "cpu=1KB"],
+        "all-disk-map-file": ["generate", str(tiny), "--prompt", "w1", "--device-map", str(_write(tmp_path / "all-disk.json",
+                                                                                                  '{"": "disk"}'))],
         "bad-budget": ["plan", str(tiny), "--max-memory", "cpu"],
         "plan-no-config": ["plan", str(tmp_path)],
     }[case]
@@ -209,3 +213,8 @@ def test_bad_input_is_one_line_exit_2(case: str, message: str, tiny: Path, tmp_p
 def test_no_subcommand_prints_help_exit_2(capsys) -> None:
     assert main([]) == 2
     assert "generate" in capsys.readouterr().err
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

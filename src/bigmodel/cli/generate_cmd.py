@@ -152,12 +152,19 @@ def _read_map_file(model: nn.Module, path: str) -> dict[str, int | str]:
     return device_map
 
 
-def _offload_folder(stack: contextlib.ExitStack, given: str | None, usage: list[_summary.DeviceUsage]) -> str | None:
-    """The offload folder: the one given, else a temporary one (removed at exit) when the plan uses disk."""
+def _offload_folder(stack: contextlib.ExitStack, given: str | None, usage: list[_summary.DeviceUsage],
+                    map_file: str | None = None) -> str | None:
+    """The offload folder: the one given, else a temporary one (removed at exit) when the plan uses disk
+    for part of the model (all of it on disk needs --offload-folder: a budget or map mistake, most often)."""
     on_disk = next((u.nbytes for u in usage if u.device == "disk"), 0)
     if given is not None or not on_disk:
         return given
     if not any(u.nbytes for u in usage if u.device != "disk"):
+        if map_file is not None:
+            raise ValueError(
+                f"The device map file {map_file!r} puts the whole model on disk and no --offload-folder was given; "
+                "pass --offload-folder DIR to run every layer from disk, or map some modules to cpu."
+            )
         raise ValueError(
             "The memory budgets are too small for even one layer outside disk and no --offload-folder was given; "
             "raise --max-memory (e.g. cpu=SIZE) or pass --offload-folder DIR to run every layer from disk."
@@ -191,7 +198,8 @@ def run_generate(args: argparse.Namespace) -> int:
     usage = _summary.device_map_usage(empty, planned, dtype=torch_dtype)
     plan_seconds += time.perf_counter() - start
     with contextlib.ExitStack() as stack:
-        offload = _offload_folder(stack, args.offload_folder, usage)
+        map_file = None if args.device_map in _hf.STRING_DEVICE_MAPS else args.device_map
+        offload = _offload_folder(stack, args.offload_folder, usage, map_file)
         before_load = rss_split_bytes()
         start = time.perf_counter()
         model = _hf.load_pretrained(

@@ -106,15 +106,19 @@ def get_max_memory(max_memory: Mapping[DeviceSpec, int | str] | None = None) -> 
     return dict(sorted(budgets.items(), key=lambda item: device_sort_key(item[0])))
 
 
+_WARNED_ABSENT: set[tuple[int, ...]] = set()
+
+
 def _warn_absent(budgets: Mapping[int | str, int]) -> None:
     """Log a warning (as the incumbent does) for accelerator indices this machine does not have: a map
     planned with them can be written (``bigmodel plan`` for another machine) but not dispatched here."""
     count = accelerator_count()
-    absent = sorted(d for d in budgets if isinstance(d, int) and d >= count)
-    if absent:
+    absent = tuple(sorted(d for d in budgets if isinstance(d, int) and d >= count))
+    if absent and absent not in _WARNED_ABSENT:  # once per process and set of indices (a plan asks several times)
+        _WARNED_ABSENT.add(absent)
         logger.warning(
             "max_memory names accelerator(s) %s, which this machine does not have (%d found): a device map "
-            "planned with them cannot be dispatched here; drop those keys to plan for this machine.", absent, count,
+            "planned with them cannot be dispatched here; drop those keys to plan for this machine.", list(absent), count,
         )
 
 
