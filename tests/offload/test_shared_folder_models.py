@@ -43,3 +43,22 @@ def test_load_checkpoint_and_dispatch_of_a_second_model_leaves_the_first_alone(t
         for seed, (expected, model) in models.items():
             assert torch.allclose(model(x.half()).float(), expected, atol=2e-2), seed
 
+
+
+def test_mapping_at_dispatch_never_reads_a_file(tmp_path: Path, monkeypatch) -> None:
+    """Where files are read instead of mapped (here BIGMODEL_MAPPED_WEIGHTS=copy; elsewhere a spent lease
+    budget), dispatch reads none of them: each is read at its module's forward, as before."""
+    from bigmodel.offload import format as offload_format
+
+    monkeypatch.setenv("BIGMODEL_MAPPED_WEIGHTS", "copy")
+    reads: list[str] = []
+    real = offload_format.read_bytes
+    monkeypatch.setattr(offload_format, "read_bytes", lambda path, *a, **k: reads.append(str(path)) or real(path, *a, **k))
+    x = torch.randn(2, 8)
+    a = _net(0)
+    expected = a(x)
+    disk_offload(a, tmp_path / "off", execution_device="cpu")
+    assert reads == []
+    with torch.no_grad():
+        assert torch.equal(a(x), expected)
+    assert sorted({Path(p).name for p in reads}) == ["0.bias.dat", "0.weight.dat", "2.bias.dat", "2.weight.dat"]

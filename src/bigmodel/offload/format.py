@@ -124,6 +124,28 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).view(dtype).reshape(shape)
 
 
+def mapped_offloaded_weight(weight_file: str | os.PathLike, weight_info: object) -> torch.Tensor | None:
+    """A plain ``.dat`` entry as a zero-copy view of its mapped file, never read: None when it would have
+    to be read instead (unprotected, the lease budget spent), is another kind of entry (safetensors,
+    quantized, subclass), is empty, or does not match its file (its own read then raises, naming it)."""
+    if not isinstance(weight_info, Mapping) or any(k in weight_info for k in ("safetensors_file", "subclass",
+                                                                                "quantization")):
+        return None
+    path = Path(weight_file)
+    try:
+        dtype = parse_dtype(weight_info.get("dtype", ""), f"offload entry for {str(path)!r}")
+        shape = tuple(int(d) for d in weight_info.get("shape", ()))
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        if nbytes == 0 or not path.is_file() or path.stat().st_size != nbytes:
+            return None
+        storage = map_file(path, nbytes)
+    except (OSError, ValueError, TypeError):
+        return None
+    if storage is None:
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).view(dtype).reshape(shape)
+
+
 def _read_subclass(weight_file: Path, weight_info: Mapping[str, Any]) -> torch.Tensor:
     """A wrapper tensor subclass entry: its parts (``<name>#<part>.dat`` beside ``weight_file``), rebuilt."""
     name = weight_file.name.removesuffix(".dat")  # the last part of the tensor name: its parts lie beside it

@@ -36,6 +36,7 @@ from .format import (
     dtype_name,
     load_offload_index,
     load_offloaded_weight,
+    mapped_offloaded_weight,
     parse_dtype,
 )
 from .subclass_format import subclass_entry
@@ -304,16 +305,21 @@ class OffloadedWeightsLoader(Mapping):
         """Map the file of every ``.dat`` entry now (no page is read), as a first read would: a file
         replaced later (another offload into the same folder writes a new file under the name) is then
         not seen by this loader, whose model keeps its own values.  An entry that cannot be mapped
-        here is left to its first read, which raises naming it (or reads a copy)."""
+        here (another kind of entry, an unprotected file, the lease budget spent) is left to its first
+        read; no file is read here."""
         if self._folder is None or self.device is not None:
             return
-        for key, info in self.index.items():
-            if "safetensors_file" in info or key in self.state_dict or key in self._mapped:
-                continue
-            try:
-                self._map(key)
-            except Exception:  # noqa: BLE001  (the first read raises it again, naming the entry)
-                continue
+        with torch.inference_mode(False):  # kept views are never inference tensors (see _map)
+            for key, info in self.index.items():
+                if key in self.state_dict or key in self._mapped:
+                    continue
+                try:
+                    tensor = mapped_offloaded_weight(dat_path(self._folder, key), info)  # never reads the file
+                except ValueError:  # a name dat_path refuses: its first read raises, naming it
+                    continue
+                if tensor is not None:
+                    with self._lock:
+                        self._mapped.setdefault(key, tensor)
 
     def value_token(self, key: str) -> torch.Tensor | None:
         """The tensor ``self[key]`` is read from, for identity checks only (never change it or hand it out):
