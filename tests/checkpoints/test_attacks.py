@@ -744,13 +744,26 @@ def test_tied_weights_survive_disk_dispatch_and_removal(tmp_path):
     assert torch.equal(model.last(model.mid(model.first(ids))), expected)
 
 
-def test_offload_file_deleted_between_forwards_names_it_and_unloads(tmp_path):
+def test_offload_file_deleted_between_forwards_names_it_and_unloads(tmp_path, monkeypatch):
+    """Files read at each forward (not mapped: BIGMODEL_MAPPED_WEIGHTS=copy): a deleted one is named."""
+    monkeypatch.setenv("BIGMODEL_MAPPED_WEIGHTS", "copy")
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     dispatch_model(model, {"": "disk"}, main_device="cpu", offload_dir=tmp_path)
     (tmp_path / "1.bias.dat").unlink()
     with pytest.raises(FileNotFoundError, match=r"1\.bias\.dat' is missing; offload the model again"):
         model(torch.ones(1, 3))
     assert model[0].weight.device.type == model[1].weight.device.type == "meta"
+
+
+def test_offload_file_deleted_after_dispatch_leaves_a_mapped_model_its_values(tmp_path):
+    """Mapped at dispatch: deleting (or replacing) a .dat file afterwards changes nothing for the model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    x = torch.ones(1, 3)
+    expected = model(x)
+    dispatch_model(model, {"": "disk"}, main_device="cpu", offload_dir=tmp_path)
+    (tmp_path / "1.bias.dat").unlink()
+    assert torch.equal(model(x), expected)
 
 
 def test_disk_offload_into_folder_with_stale_index(tmp_path):
