@@ -109,11 +109,8 @@ def check_filled(
         ValueError: names the tensors the checkpoint did not provide, and the fixes.
     """
     offloaded = set(load_offload_index(offload_folder)) if offload_folder is not None else set()
-    unfilled = [
-        name for name, tensor in model.state_dict(keep_vars=True).items()
-        if tensor.device.type == "meta" and _mapped_to(name, device_map) != "meta"
-        and not (name in offloaded and _mapped_to(name, device_map) == "disk")
-    ]  # fmt: skip
+    on_meta = [name for name, tensor in model.state_dict(keep_vars=True).items() if tensor.device.type == "meta"]
+    unfilled = [name for name in on_meta if _unfilled(_mapped_to(name, device_map), name in offloaded)]
     if unfilled:
         raise ValueError(
             f"{len(unfilled)} tensor(s) of {type(model).__name__} are still on the meta device after loading "
@@ -126,3 +123,8 @@ def check_filled(
 def _mapped_to(name: str, device_map: Mapping[str, DeviceSpec] | None) -> object:
     """The device the map gives ``name`` as given (None when there is no map or it is not covered)."""
     return device_of(name, device_map) if device_map is not None and is_covered(name, device_map) else None
+
+
+def _unfilled(mapped: object, in_index: bool) -> bool:
+    """A tensor on ``meta`` lacks a value unless mapped to ``"meta"`` or on disk with an index entry."""
+    return mapped != "meta" and not (mapped == "disk" and in_index)

@@ -105,9 +105,7 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
     if isinstance(weight_info.get("subclass"), Mapping):
         return _read_subclass(Path(weight_file), weight_info)
     path = Path(weight_file)
-    dtype = parse_dtype(weight_info.get("dtype", ""), f"offload entry for {str(path)!r}")
-    shape = tuple(int(d) for d in weight_info.get("shape", ()))
-    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    dtype, shape, nbytes = _layout(path, weight_info)
     if not path.is_file():
         raise FileNotFoundError(f"Offloaded weight file {str(path)!r} is missing; offload the model again.")
     size = path.stat().st_size
@@ -121,6 +119,17 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
     storage = map_file(path, nbytes)
     if storage is None:
         return read_bytes(path, 0, nbytes).view(dtype).reshape(shape)
+    return _view(storage, dtype, shape, nbytes)
+
+
+def _layout(path: Path, weight_info: Mapping[str, Any]) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """A plain entry's dtype, shape and byte count (raises ValueError naming ``path`` for a bad dtype)."""
+    dtype = parse_dtype(weight_info.get("dtype", ""), f"offload entry for {str(path)!r}")
+    shape = tuple(int(d) for d in weight_info.get("shape", ()))
+    return dtype, shape, dtype.itemsize * int(torch.Size(shape).numel())
+
+
+def _view(storage: torch.UntypedStorage, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).view(dtype).reshape(shape)
 
 
@@ -133,17 +142,13 @@ def mapped_offloaded_weight(weight_file: str | os.PathLike, weight_info: object)
         return None
     path = Path(weight_file)
     try:
-        dtype = parse_dtype(weight_info.get("dtype", ""), f"offload entry for {str(path)!r}")
-        shape = tuple(int(d) for d in weight_info.get("shape", ()))
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        dtype, shape, nbytes = _layout(path, weight_info)
         if nbytes == 0 or not path.is_file() or path.stat().st_size != nbytes:
             return None
         storage = map_file(path, nbytes)
     except (OSError, ValueError, TypeError):
         return None
-    if storage is None:
-        return None
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)).view(dtype).reshape(shape)
+    return None if storage is None else _view(storage, dtype, shape, nbytes)
 
 
 def _read_subclass(weight_file: Path, weight_info: Mapping[str, Any]) -> torch.Tensor:

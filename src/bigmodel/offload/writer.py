@@ -91,14 +91,11 @@ def index_to_merge(folder: Path) -> dict[str, dict]:
         ValueError: ``index.json`` is not an offload index (a user's file: names the first entry that is not
             of the offload form, and the fix); nothing has been written.
     """
-    index = load_offload_index(folder)
+    index = load_offload_index(folder)  # a JSON object (it raises for anything else)
     if is_offload_index(index):
         return index
-    if isinstance(index, Mapping):
-        key = next(k for k, e in index.items() if not isinstance(e, Mapping) or "dtype" not in e)
-        what = f"its entry {key!r} is {json.dumps(index[key])[:60]}, not an object with a \"dtype\""
-    else:
-        what = f"it holds a JSON {type(index).__name__}, not an object of entries"
+    key = next(k for k, e in index.items() if not is_offload_index({k: e}))
+    what = f"its entry {key!r} is {json.dumps(index[key])[:60]}, not an object with a \"dtype\""
     raise ValueError(
         f"{str(folder / INDEX_NAME)!r} is not an offload index ({what}); bigmodel will not merge its offload "
         "entries into another file: pass an offload_folder of its own (or move that index.json away)."
