@@ -197,10 +197,10 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
 
 def drain_workers(timeout_s: float = 60.0) -> None:
     """Wait until every task queued so far on bigmodel's one-thread background workers (prefetch,
-    storage read-ahead, resident read) has run: each runs its queue in order."""
+    storage read-ahead, its releases, resident read) has run: each runs its queue in order."""
     from bigmodel.core.workers import worker
 
-    for name in ("bigmodel-prefetch", "bigmodel-readahead", "bigmodel-resident"):
+    for name in ("bigmodel-prefetch", "bigmodel-release", "bigmodel-readahead", "bigmodel-resident"):
         worker(name).submit(lambda: None).result(timeout=timeout_s)
 
 

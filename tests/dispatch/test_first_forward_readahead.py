@@ -47,10 +47,10 @@ class Advice:
         self.events: list[tuple[str, object]] = []
         read = readahead.InOrder.read
 
-        def recording(reads, spans, keep=None):
+        def recording(reads, spans, keep=None, **kwargs):
             spans = list(spans)
             self.events.append(("need", spans))
-            read(reads, spans, keep)
+            read(reads, spans, keep, **kwargs)
 
         monkeypatch.setattr(readahead.InOrder, "read", recording)
         for name, module in modules.items():

@@ -67,6 +67,7 @@ class Calls:
 
 def _settle() -> None:
     resident._executor().submit(lambda: None).result()  # the resident part has been read
+    readahead._releaser().submit(lambda: None).result()  # the used modules queued for release were released
     readahead._executor().submit(lambda: None).result()  # what was queued has been handed to the kernel
 
 

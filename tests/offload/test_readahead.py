@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -119,7 +120,7 @@ def test_in_order_reads_ask_in_order_with_at_most_a_window_in_flight(tmp_path, m
 
     def asking(spans):
         spans = list(spans)
-        events.append(("ask", spans[0], sum(length for (_, length), _keep in reads._in_flight)))
+        events.append(("ask", spans[0], sum(length for (_, length), *_ in reads._in_flight)))
         will_need(spans)
 
     def waiting(self):
@@ -138,3 +139,39 @@ def test_in_order_reads_ask_in_order_with_at_most_a_window_in_flight(tmp_path, m
             assert in_flight == 0 or in_flight + piece[1] <= reads.window, events  # the window bounds the queue
     assert readahead.resident(spans)
     assert torch.equal(mapped[-3:], torch.arange(40 * 2**18 - 3, 40 * 2**18, dtype=torch.float32))
+
+
+def test_in_order_reads_of_a_module_released_meanwhile_stop(tmp_path, monkeypatch):
+    """Once ``used`` is set (its module ran and is being released), no more of its pieces are asked
+    for, and those in flight are dropped from the queue without being touched (which would read back
+    what the release drops)."""
+    mapped, _ = _mapped(tmp_path, mib=40)
+    spans = readahead.file_spans([mapped], readahead.file_mappings())
+    pieces = [piece for span in spans for piece in readahead.pieces(span)]
+    assert len(pieces) >= 4
+    reads, used, asked, touched = readahead.InOrder(window=2 * pieces[0][1]), threading.Event(), [], []
+    will_need, arrived = readahead.will_need, readahead.InOrder._arrived
+
+    def asking(spans):
+        spans = list(spans)
+        asked.extend(spans)
+        will_need(spans)
+        if len(asked) == 2:
+            used.set()
+
+    frombuffer = torch.frombuffer
+
+    def touching(*args, **kwargs):
+        touched.append(args)
+        return frombuffer(*args, **kwargs)
+
+    monkeypatch.setattr(readahead, "will_need", asking)
+    monkeypatch.setattr(torch, "frombuffer", touching)
+    reads.read(spans, keep=mapped, used=used)
+    assert asked == pieces[:2]
+    assert [piece for piece, *_ in reads._in_flight] == pieces[:2]
+    reads.wait()
+    assert not reads._in_flight and reads._waiting == 0 and touched == []
+    reads.read(spans[:1], keep=mapped, used=threading.Event())  # another module's reads go on, and are waited for
+    reads.wait()
+    assert asked[2:] == readahead.pieces(spans[0]) and len(touched) == len(readahead.pieces(spans[0]))

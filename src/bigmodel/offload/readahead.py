@@ -10,13 +10,18 @@ the module running now (page cache used by reads ahead stays bounded); from the 
 start on (:meth:`ReadAhead.start`), so the first offloaded module is read while the ones before
 it compute.  When the offloaded bytes exceed what the page cache can hold, a module's ranges are
 released once it has run (``madvise(MADV_PAGEOUT)``, else ``MADV_COLD``: clean file pages are
-dropped, so the kernel does not evict what is needed next instead), except for a prefix of the
-execution order that fits in half of the available memory and stays cached from one forward to
-the next (fewer bytes read per forward).
+dropped, so the kernel does not evict what is needed next instead), except for modules spread
+evenly over the execution order that fit in half of the available memory and stay cached from one
+forward to the next (fewer bytes read per forward; :func:`spread_kept`).  While streaming, the
+window counts only the bytes of released modules (the kept ones are in RAM), and the end of a pass
+reads on into the next one's first released modules (:meth:`ReadAhead._wrap`): decoding, the
+disk never waits for a forward's start.
 
 Both calls are hints: they never change a value (a released page is read again from its file
 on the next access), and they are only made on spans of file-backed mappings (never on
-anonymous memory, which MADV_PAGEOUT could swap out).  They run on one background thread.
+anonymous memory, which MADV_PAGEOUT could swap out).  Reads run on one background thread,
+releases on another (a release of hundreds of MB takes a fraction of a second of CPU time, which
+on the reading thread would leave the disk idle).
 Nothing is done while the offloaded bytes are in RAM already: at the start of each forward
 ``mincore`` is asked about the first pages of ``PROBES`` modules spread over the order (all
 modules' first and last pages while reading ahead); a warm page cache then costs a few
@@ -25,21 +30,34 @@ microseconds per forward and one attribute check per module.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from ..core.workers import worker
-from .pages import all_in_ram, available_memory
+from .file_spans import (  # noqa: F401 (re-exported)
+    _LIBC,
+    MIN_ADVICE_BYTES,
+    Span,
+    advice_bytes,
+    file_mappings,
+    file_spans,
+    merged_spans,
+    pieces,
+    resident,
+    supported,
+)
+from .file_spans import PAGE as _PAGE
+from .pages import available_memory
 
 logger = logging.getLogger(__name__)
 
@@ -51,147 +69,16 @@ WINDOW_BYTES = 512 << 20  # default bytes read ahead of the running module
 PROBES = 8  # modules whose first pages are checked at the start of each forward while not reading ahead
 RETAIN_FRACTION = 0.5  # of the available memory, for the prefix kept cached between forwards
 STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory: release after use
-_SAMPLE_PAGES = 16
-MIN_ADVICE_BYTES = 128 << 10  # one WILLNEED per this many bytes where the device's read-ahead size is unknown
 IN_FLIGHT_BYTES = 64 << 20  # bytes asked for and not yet arrived, at most (InOrder)
-
-Span = tuple[int, int]  # (page-aligned address, length in bytes)
-
-
-def _load_libc() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _load_libc()
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_ADVICE_BYTES: dict[str, int] = {}  # device ("fe:01") -> bytes one WILLNEED reads at most
-_ADVICE_SPANS: list[tuple[int, int, int]] = []  # (start, end, advice bytes) of the file mappings last listed
-
 
 def _executor() -> ThreadPoolExecutor:
     return worker("bigmodel-readahead")
 
 
-def supported() -> bool:
-    """True where ``madvise``/``mincore`` and ``/proc/self/maps`` are available (Linux)."""
-    return _LIBC is not None and os.path.exists("/proc/self/maps")
-
-
-def advice_bytes(device: str) -> int:
-    """Bytes one ``madvise(MADV_WILLNEED)`` reads at most from files on ``device`` (``"fe:01"``, hex).
-
-    The kernel reads at most the device's read-ahead size per call (``read_ahead_kb``; more only
-    up to its largest request, ``max_sectors_kb``): :func:`will_need` splits longer spans into
-    pieces of this size.  ``MIN_ADVICE_BYTES`` where sysfs does not say.
-    """
-    known = _ADVICE_BYTES.get(device)
-    if known is not None:
-        return known
-    found = MIN_ADVICE_BYTES
-    try:
-        number = ":".join(str(int(part, 16)) for part in device.split(":"))
-    except ValueError:
-        number = ""
-    queues = [f"/sys/dev/block/{number}/queue", f"/sys/dev/block/{number}/../queue"]  # a disk, a partition
-    for path in [f"{queue}/read_ahead_kb" for queue in queues] + [f"/sys/class/bdi/{number}/read_ahead_kb"]:
-        try:
-            with open(path) as f:
-                found = max(MIN_ADVICE_BYTES, int(f.read()) << 10)
-            break
-        except (OSError, ValueError):
-            continue
-    _ADVICE_BYTES[device] = found
-    return found
-
-
-def file_mappings() -> list[tuple[int, int]]:
-    """Sorted (start, end) addresses of this process's mappings of regular files (from ``/proc/self/maps``).
-
-    Also notes, for :func:`will_need`, how many bytes one advice reads on each mapping's device.
-    """
-    global _ADVICE_SPANS
-    spans, advice = [], []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or parts[4] == "0" or not parts[5].startswith("/") or parts[5].startswith("/dev/"):
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            spans.append((lo, hi))
-            advice.append((lo, hi, advice_bytes(parts[3])))
-    spans.sort()
-    advice.sort()
-    _ADVICE_SPANS = advice
-    return spans
-
-
-def file_spans(tensors: Iterable[torch.Tensor], mappings: Sequence[tuple[int, int]]) -> list[Span]:
-    """Page-aligned spans of the CPU tensors whose memory lies inside one of ``mappings`` (file-backed)."""
-    starts = [lo for lo, _ in mappings]
-    out: list[Span] = []
-    for tensor in tensors:
-        if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
-            continue
-        address = tensor.data_ptr()
-        end = address + tensor.numel() * tensor.element_size()
-        i = bisect.bisect_right(starts, address) - 1
-        if i < 0 or end > mappings[i][1]:
-            continue
-        lo = address - address % _PAGE
-        out.append((lo, -(-end // _PAGE) * _PAGE - lo))
-    return out
-
-
-def merged_spans(tensors: Iterable[torch.Tensor]) -> list[Span]:
-    """Page-aligned spans covering the CPU tensors' memory, adjacent ones merged (a decoder layer's
-    tensors, stored one after the other in a file: one span); empty when one is not a contiguous CPU
-    tensor, or ``mincore`` is unavailable (nothing can be asked)."""
-    if _LIBC is None:
-        return []
-    ranges = []
-    for tensor in tensors:
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            return []
-        if tensor.numel():
-            address = tensor.data_ptr()
-            end = address + tensor.numel() * tensor.element_size()
-            ranges.append((address - address % _PAGE, -(-end // _PAGE) * _PAGE))
-    merged: list[list[int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    return [(lo, hi - lo) for lo, hi in merged]
-
-
-def resident(spans: Iterable[Span], last: bool = True) -> bool:
-    """True if the first and (with ``last``) last ``_SAMPLE_PAGES`` pages of every span are in RAM (``mincore``)."""
-    vec = ctypes.create_string_buffer(_SAMPLE_PAGES)
-    for address, length in spans:
-        pages = length // _PAGE
-        for start in {address, address + max(0, pages - _SAMPLE_PAGES) * _PAGE} if last else (address,):
-            count = min(pages, _SAMPLE_PAGES)
-            if _LIBC.mincore(ctypes.c_void_p(start), count * _PAGE, vec) != 0:
-                return False
-            if not all_in_ram(vec.raw[:count]):
-                return False
-    return True
-
-
-def pieces(span: Span) -> list[Span]:
-    """``span`` cut into the pieces one ``madvise(MADV_WILLNEED)`` reads whole (see :func:`advice_bytes`)."""
-    address, length = span
-    mappings = _ADVICE_SPANS
-    i = bisect.bisect_right(mappings, (address, float("inf"), 0)) - 1
-    step = mappings[i][2] if i >= 0 and address < mappings[i][1] else MIN_ADVICE_BYTES
-    return [(address + offset, min(step, length - offset)) for offset in range(0, length, step)]
+def _releaser() -> ThreadPoolExecutor:
+    """The thread that releases used modules (a ``MADV_PAGEOUT`` of a decoder layer takes a third of a
+    second: on the reading thread, the disk would sit idle meanwhile)."""
+    return worker("bigmodel-release")
 
 
 def will_need(spans: Iterable[Span]) -> None:
@@ -228,22 +115,27 @@ class InOrder:
 
     def __init__(self, window: int = IN_FLIGHT_BYTES) -> None:
         self.window = window
-        self._in_flight: collections.deque[tuple[Span, object]] = collections.deque()
+        self._in_flight: collections.deque[tuple[Span, object, threading.Event | None]] = collections.deque()
         self._waiting = 0
 
-    def read(self, spans: Iterable[Span], keep: object = None) -> None:
+    def read(self, spans: Iterable[Span], keep: object = None, used: threading.Event | None = None) -> None:
         """Ask for ``spans`` after everything asked for before.
 
         Args:
             spans: page-aligned spans of file-backed mappings.
             keep: what holds those mappings (the tensors): kept until the pieces have arrived.
+            used: set once the module the spans belong to has run and is being released: its pieces
+                not asked for yet are not, and those asked for are not waited for (touching them
+                would read back what the release drops).
         """
         for span in spans:
             for piece in pieces(span):
+                if used is not None and used.is_set():
+                    return
                 while self._in_flight and self._waiting + piece[1] > self.window:
                     self._arrived()
                 will_need([piece])
-                self._in_flight.append((piece, keep))
+                self._in_flight.append((piece, keep, used))
                 self._waiting += piece[1]
 
     def wait(self) -> None:
@@ -252,10 +144,11 @@ class InOrder:
             self._arrived()
 
     def _arrived(self) -> None:
-        (address, length), _ = self._in_flight.popleft()
-        view = torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
-        view[::_PAGE].sum()
+        (address, length), _, used = self._in_flight.popleft()
         self._waiting -= length
+        if used is None or not used.is_set():
+            view = torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
+            view[::_PAGE].sum()
 
 
 class ReadAhead:
@@ -276,7 +169,12 @@ class ReadAhead:
         self.streaming = False  # releasing used modules (the offloaded bytes exceed the page cache)
         self._spans: list[list[Span]] | None = None
         self._bytes: list[int] = []
-        self._retained = 0  # modules 0 .. _retained - 1 of the order are never released
+        self._kept: list[bool] = []  # per order position: never released while streaming
+        self._cost: list[int] = []  # per order position: bytes it adds to what is read ahead (0: kept in RAM)
+        self._next = 0  # streaming: positions < _next of the next pass are read already (wrapping around)
+        self._wrapped = 0  # ... and their bytes
+        self._releasing: dict[int, Future] = {}  # position -> its release in this pass
+        self._used: dict[int, threading.Event] = {}  # position -> set when released (its queued reads dropped)
         self._probes: list[Span] = []  # the first span of at most PROBES modules spread over the order
         self._ahead = 0  # order positions < _ahead have been advised in this pass
         self._early = False  # this pass was begun by start(), before order[0]'s module started
@@ -328,34 +226,62 @@ class ReadAhead:
         self._early = False
         if not self.active:
             return
-        count = len(order)
+        count, cost = len(order), self._cost
         jobs: list[tuple[Callable, list[Span], object]] = []
-        ahead = sum(self._bytes[index + 1:self._ahead])
+        ahead = sum(cost[index + 1:self._ahead]) + self._wrapped
         position = max(self._ahead, index)
         while position < count:
             if position > index:
-                if ahead + self._bytes[position] > self.window:
+                if ahead + cost[position] > self.window:
                     break
-                ahead += self._bytes[position]
-            jobs.append((self._reads.read, self._spans[position], self._values))  # type: ignore[index]
+                ahead += cost[position]
+            jobs.append((self._read(position), self._spans[position], self._values))  # type: ignore[index]
             position += 1
         self._ahead = max(self._ahead, position)
-        previous = index - 1
-        if self.streaming and previous >= self._retained:
-            jobs.append((_release, self._spans[previous], self._values))  # type: ignore[index]
+        if position == count and self.streaming:
+            jobs += self._wrap(index, ahead)
         if jobs:
             _executor().submit(_run, [job for job in jobs if job[1]])
+        previous = index - 1
+        if self.streaming and previous >= 0 and not self._kept[previous]:
+            self._used.pop(previous, threading.Event()).set()  # its reads still queued are dropped
+            job = (_release, self._spans[previous], self._values)  # type: ignore[index]
+            self._releasing[previous] = _releaser().submit(_run, [job])
+
+    def _read(self, position: int) -> Callable:
+        """The job reading ``position`` ahead in this pass (dropped once the module is released)."""
+        used = self._used[position] = threading.Event()
+        return functools.partial(self._reads.read, used=used)
+
+    def _wrap(self, index: int, ahead: int) -> list[tuple[Callable, list[Span], object]]:
+        """Streaming, this pass read ahead to its end: read the next pass's first released modules
+        within the window (the next forward's start, the modules kept in RAM, then its first released
+        module, would otherwise find the disk idle).  Only modules that ran and were released before
+        ``index - 1`` (the one released now) are read again."""
+        jobs = []
+        while self._next < index - 1:
+            size = self._cost[self._next]
+            if ahead + size > self.window:
+                break
+            ahead += size
+            self._wrapped += size
+            if size:
+                read = _after(self._releasing.get(self._next), self._reads.read)  # a new pass's read: not dropped
+                jobs.append((read, self._spans[self._next], self._values))  # type: ignore[index]
+            self._next += 1
+        return jobs
 
     def _new_pass(self, order: Sequence[Any]) -> None:
-        self._ahead = 0
-        if self._spans is None or len(self._spans) != len(order):
+        self._ahead, self._next, self._wrapped, self._releasing, self._used = 0, 0, 0, {}, {}
+        learned = self._spans is None or len(self._spans) != len(order)
+        if learned:
             self._learn(order)
         was = self.active
-        if was:  # while reading ahead: every module's spans (the I/O dominates this check)
+        if was or learned:  # while reading ahead, or spans new: every module's (the kept ones may be the probes)
             self.active = not all(resident(spans) for spans in self._spans or [])
         else:  # a few modules spread over the order, first pages only: microseconds
             self.active = not resident(self._probes, last=False)
-        if self.active and not was:
+        if self.active and (learned or not was):
             self._plan()
 
     def _learn(self, order: Sequence[Any]) -> None:
@@ -372,19 +298,56 @@ class ReadAhead:
         available = self.available if self.available is not None else available_memory()
         total = sum(self._bytes)
         self.streaming = available > 0 and total > STREAM_FRACTION * available
-        self._retained = 0
+        count = len(self._bytes)
         if self.streaming:
-            keep = RETAIN_FRACTION * available - 2 * self.window
-            while self._retained < len(self._bytes) and keep - self._bytes[self._retained] >= 0:
-                keep -= self._bytes[self._retained]
-                self._retained += 1
+            last = self._bytes[-1]  # never released: no module starts after it in its pass
+            self._kept = spread_kept(self._bytes[:-1], RETAIN_FRACTION * available - 2 * self.window - last) + [True]
+            self._cost = [0 if kept else size for kept, size in zip(self._kept, self._bytes)]
+        else:
+            self._kept, self._cost = [True] * count, list(self._bytes)
         logger.debug("Reading offloaded weights ahead: %.2f GB in %d modules, window %.0f MB, %s",
-                      total / 1e9, len(self._bytes), self.window / 1e6,
-                      f"releasing used modules after the first {self._retained}" if self.streaming else "no release")
+                      total / 1e9, count, self.window / 1e6,
+                      f"releasing used modules but {sum(self._kept)} spread over the order" if self.streaming
+                      else "no release")
+
+
+def spread_kept(sizes: Sequence[int], budget: float) -> list[bool]:
+    """Which modules of an execution order stay in RAM between forwards (True) when they do not all
+    fit: as many as ``budget`` bytes hold, spread evenly over the order.
+
+    Spread rather than a prefix: each kept module then computes while the disk reads the next
+    released one, where a kept prefix would compute with the disk idle at every forward's start.
+    The positions evenly spaced for the most modules that could fit come first; where their sizes
+    differ, whatever else fits is kept after them, in order.
+
+    Args:
+        sizes: bytes of each module, in execution order.
+        budget: bytes the kept modules may take (nothing is kept when it is not positive).
+    """
+    count, used, most = len(sizes), 0, 0
+    for size in sorted(sizes):  # the most modules that could fit: the smallest ones
+        if used + size > budget:
+            break
+        used, most = used + size, most + 1
+    spaced = [(2 * j + 1) * count // (2 * most) for j in range(most)]
+    kept, left = [False] * count, budget
+    for i in spaced + list(range(count)):
+        if not kept[i] and sizes[i] <= left:
+            kept[i], left = True, left - sizes[i]
+    return kept
 
 
 def _release(spans: list[Span], keep: object) -> None:
     release(spans)  # ``keep`` (the views) holds the mappings until the job has run
+
+
+def _after(done: Future | None, fn: Callable) -> Callable:
+    """``fn(spans, keep)`` once ``done`` (the release of the same spans, on the other thread) has run."""
+    def job(spans: list[Span], keep: object) -> None:
+        if done is not None:
+            done.result()
+        fn(spans, keep)
+    return job
 
 
 def _run(jobs: list[tuple[Callable, list[Span], object]]) -> None:

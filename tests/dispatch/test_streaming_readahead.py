@@ -1,0 +1,131 @@
+"""Streaming a model whose disk part exceeds the page cache: which modules stay, who releases, reading on.
+
+When the offloaded bytes do not fit in the available memory, :class:`bigmodel.offload.readahead.ReadAhead`
+releases each module once it has run, except modules spread evenly over the execution order
+(``spread_kept``), so that a kept module computes while the disk reads the next released one.  The
+releases run on their own thread (on the reading thread, a release's CPU time left the disk idle), and
+the end of a pass reads the next pass's first released module back (the disk no longer waits for the
+next forward to start).  Counted, never timed: the ``will_need`` and ``release`` calls are recorded with
+the thread that made them, and logits are compared with the model's own in-memory forward.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from _fake_accelerator import drain_workers
+from _page_cache import drop, write_wide_llama
+
+from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
+from bigmodel.hooks.align_hook import loading_hook_of
+from bigmodel.offload import readahead
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
+
+BLOCKS = [f"model.layers.{i}" for i in range(10)]
+MAP = {"model.embed_tokens": "cpu", **dict.fromkeys(BLOCKS, "disk"), "model.norm": "cpu", "model.rotary_emb": "cpu",
+       "lm_head": "cpu"}  # fmt: skip
+IDS = torch.tensor([[5, 6, 7, 8, 9]])
+# 10 blocks of ~16.3 MB: 163 MB offloaded > 0.8 x 180 MB (streaming); kept: the last (no module starts after
+# it) and, of 0.5 x 180 MB - 2 windows of one block - the last = 41 MB, two blocks spaced evenly over the others.
+AVAILABLE = 180_000_000
+KEPT = ["model.layers.2", "model.layers.6", "model.layers.9"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_wide_llama(tmp_path_factory.mktemp("llama"), len(BLOCKS))
+
+
+def test_spread_kept_spaces_equal_modules_evenly_and_fills_with_what_fits():
+    assert [i for i, kept in enumerate(readahead.spread_kept([10] * 8, 25)) if kept] == [2, 6]
+    assert [i for i, kept in enumerate(readahead.spread_kept([10] * 30, 120)) if kept] == [1, 3, 6, 8, 11, 13, 16,
+                                                                                          18, 21, 23, 26, 28]
+    assert readahead.spread_kept([10] * 4, 0) == [False] * 4
+    assert readahead.spread_kept([10] * 4, 40) == [True] * 4
+    # The evenly spaced ones (the large) do not fit: the small ones that do are kept instead.
+    assert readahead.spread_kept([1, 100, 1, 100, 1, 100], 3) == [True, False, True, False, True, False]
+    assert readahead.spread_kept([], 10) == []
+
+
+class Calls:
+    """Records ``("need" | "release", spans, thread name)`` for every span advised or released, in order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[tuple[str, tuple, str]] = []
+        self._lock = threading.Lock()
+        will_need, release = readahead.will_need, readahead.release
+
+        def needing(spans):
+            spans = list(spans)
+            self._record("need", spans)
+            will_need(spans)
+
+        def releasing(spans):
+            spans = list(spans)
+            self._record("release", spans)
+            release(spans)
+
+        monkeypatch.setattr(readahead, "will_need", needing)
+        monkeypatch.setattr(readahead, "release", releasing)
+
+    def _record(self, kind: str, spans: list) -> None:
+        with self._lock:
+            self.events.extend((kind, span, threading.current_thread().name) for span in spans)
+
+
+def _reference(folder: Path) -> torch.Tensor:
+    with torch.no_grad():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()(IDS).logits
+
+
+def _owners(spans_of: dict[str, set[tuple[int, int]]], span: tuple[int, int]) -> set[str]:
+    """The modules one of whose spans ``span`` is (a released span is exactly one)."""
+    return {name for name, spans in spans_of.items() if span in spans}
+
+
+def test_streaming_keeps_spread_modules_releases_on_its_own_thread_and_reads_the_next_pass_on(
+        folder, tmp_path, monkeypatch):  # fmt: skip
+    monkeypatch.delenv(readahead.ENV, raising=False)
+    gc.collect()
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    expected = _reference(folder)
+    gc.collect()  # the reference's mapping of the file: a page mapped twice is not released
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.eval()
+    model = load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
+    hooks = {name: loading_hook_of(model.get_submodule(name)) for name in BLOCKS}
+    values_of = {name: hook.prefetcher.read(hook).values() for name, hook in hooks.items()}
+    mappings = readahead.file_mappings()
+    spans_of = {name: set(readahead.file_spans(values, mappings)) for name, values in values_of.items()}
+    assert all(spans_of.values())  # the disk blocks are views of the checkpoint's mapping
+    drain_workers()
+    drop(folder / "model.safetensors")
+    reads = hooks[BLOCKS[0]].prefetcher.readahead
+    reads.window, reads.available = 1, AVAILABLE  # one block ahead; a page cache too small for the disk part
+    calls = Calls(monkeypatch)
+    with torch.no_grad():
+        for forward in range(3):
+            assert torch.equal(model(IDS).logits, expected)
+            drain_workers()
+            assert reads.streaming
+            assert [name for name, k in zip(BLOCKS, reads._kept) if k] == KEPT  # spread, not the first ones
+            releases = [(i, span, thread) for i, (kind, span, thread) in enumerate(calls.events) if kind == "release"]
+            released = set().union(*(_owners(spans_of, span) for _, span, _ in releases))
+            assert released == set(BLOCKS) - set(KEPT), forward
+            assert {thread.rsplit("_", 1)[0] for _, _, thread in releases} == {"bigmodel-release"}
+            # The pass's end read the first released block of the next pass back, after releasing it.
+            first = BLOCKS[0]
+            last_release = max(i for i, span, _ in releases if first in _owners(spans_of, span))
+            read_back = {span for kind, span, _ in calls.events[last_release:] if kind == "need"}
+            assert {piece for span in spans_of[first] for piece in readahead.pieces(span)} <= read_back
+            assert readahead.resident(spans_of[first])
+            # A released block stays out: its reads still queued were dropped, not done after the release.
+            assert not any(readahead.resident(spans_of[name]) for name in BLOCKS[3:6])
+            calls.events.clear()
