@@ -14,13 +14,15 @@ What it does, in one run:
 2. The device map, the same for every contender: embeddings, final norm, head and the first
    decoder layers on ``cpu`` while ``--budget-gb`` (default MemTotal/3) allows; the rest ``disk``.
 3. Measures the cold sequential read rate of the disk layers' byte ranges (8 MiB reads, the
-   ranges dropped from the page cache first), again after the runs: the faster of the two reads
+   ranges dropped from the page cache first; one shard's ranges are read just before, as storage
+   that was idle reads its first GB slower), again after the runs: the faster of the two reads
    (the storage's speed drifts) is the physical floor of streaming them.
 4. For each implementation, in a fresh child process, starting from a cold page cache for the
    checkpoint's files: ``load_checkpoint_and_dispatch`` (time, bytes written: accelerate rewrites
    the offloaded weights as ``.dat`` files), then greedy ``generate`` of ``--tokens`` new tokens
    after an 8-token prompt, recording tokens/s, time to first token, bytes read from storage
-   (``/proc/self/io`` ``read_bytes``) per token and per second, and the peak anonymous RSS
+   (``/proc/self/io`` ``read_bytes``) per token and per second, the fraction of the time the storage
+   device had reads in flight (``io_ticks`` of its sysfs stat), and the peak anonymous RSS
    (sampled ``/proc/self/statm``) counted from before the model was built, against the budget.
    The table also gives time to first token against two floors: the disk layers' bytes, and all
    of the checkpoint's bytes, each divided by the cold sequential read rate of step 3 (the CPU
@@ -243,13 +245,15 @@ def child(impl: str, folder: Path, device_map: dict[str, str], tokens: int) -> d
         ids = torch.tensor([PROMPT])
         clock = _Clock()
         with torch.no_grad(), probe(0.01) as p:
-            t0 = time.perf_counter()
+            t0, busy0 = time.perf_counter(), pagecache.device_busy_ms(folder)
             result = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                     streamer=clock, pad_token_id=0)
-            seconds = time.perf_counter() - t0
+            seconds, busy1 = time.perf_counter() - t0, pagecache.device_busy_ms(folder)
         io2 = _io()
         arrivals = clock.times[1:]  # the first put is the prompt
         read = io2["read_bytes"] - io1["read_bytes"]
+        if busy0 is not None and busy1 is not None:
+            out["device_busy"] = (busy1 - busy0) / 1000 / seconds
         out.update(
             gen_s=seconds, tokens=len(arrivals), tok_s=len(arrivals) / seconds, ttft_s=arrivals[0] - t0,
             decode_tok_s=(len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else None,
@@ -333,6 +337,7 @@ def report(info: dict[str, Any], results: list[dict[str, Any]]) -> str:
         _row("read from storage per token (GB)", "{:.2f}", col("read_bytes_per_token", gb)),
         _row("storage read rate during generate (GB/s)", "{:.2f}", col("gen_read_rate", gb)),
         _row("read rate / cold sequential read rate", "{:.2f}", col("gen_read_rate", seq_rate)),
+        _row("storage busy during generate (io_ticks / time)", "{:.2f}", col("device_busy")),
         _row("peak anon RSS (GB)", "{:.2f}", col("peak_anon_bytes", gb)),
         _row("peak anon RSS / (budget + one layer)", "{:.2f}",
              col("peak_anon_bytes", info["budget"] + info["layer_bytes"])),
@@ -375,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         budget = int(args.budget_gb * 1e9)
         device_map, cpu_bytes, layer_bytes = device_map_for(shape, budget)
         ranges = disk_ranges(folder, device_map)
+        # Storage idle for a while reads its first GB at half speed here (0.4-0.6 GB/s after a 10 s pause,
+        # 1.0-1.2 right after another read, whatever the bytes): start reading before the timed read.
+        pagecache.read_cold(dict([next(iter(ranges.items()))]))
         seq_s, disk_bytes = pagecache.read_cold(ranges)
         info = dict(total_bytes=built["total_bytes"], layers=shape["num_hidden_layers"], layer_bytes=layer_bytes,
                     hidden=shape["hidden_size"], ram=_meminfo("MemTotal"), budget=budget, cpu_bytes=cpu_bytes,

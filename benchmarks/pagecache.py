@@ -126,3 +126,16 @@ def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((start, end))
     return out
+
+
+def device_busy_ms(path: str | Path) -> int | None:
+    """Milliseconds the block device holding ``path`` has had I/O in flight since boot (``io_ticks``, the
+    10th field of ``/sys/dev/block/<major>:<minor>/stat``; see the kernel's Documentation/block/stat.rst);
+    None where sysfs does not say.  Its growth over an interval, divided by the interval, is the
+    fraction of the time the device was busy: a rate-free measure of whether a reader kept it busy."""
+    st = os.stat(path)
+    try:
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            return int(f.read().split()[9])
+    except (OSError, ValueError, IndexError):
+        return None
