@@ -175,6 +175,7 @@ class ReadAhead:
         self._wrapped = 0  # ... and their bytes
         self._releasing: dict[int, Future] = {}  # position -> its release in this pass
         self._used: dict[int, threading.Event] = {}  # position -> set when released (its queued reads dropped)
+        self._next_used: dict[int, threading.Event] = {}  # the same for the next pass's positions read already
         self._probes: list[Span] = []  # the first span of at most PROBES modules spread over the order
         self._ahead = 0  # order positions < _ahead have been advised in this pass
         self._early = False  # this pass was begun by start(), before order[0]'s module started
@@ -248,9 +249,9 @@ class ReadAhead:
             job = (_release, self._spans[previous], self._values)  # type: ignore[index]
             self._releasing[previous] = _releaser().submit(_run, [job])
 
-    def _read(self, position: int) -> Callable:
-        """The job reading ``position`` ahead in this pass (dropped once the module is released)."""
-        used = self._used[position] = threading.Event()
+    def _read(self, position: int, pass_: dict[int, threading.Event] | None = None) -> Callable:
+        """The job reading ``position`` ahead in this pass (or the next: ``pass_``), dropped once it is released."""
+        used = (self._used if pass_ is None else pass_).setdefault(position, threading.Event())
         return functools.partial(self._reads.read, used=used)
 
     def _wrap(self, index: int, ahead: int) -> list[tuple[Callable, list[Span], object]]:
@@ -266,13 +267,14 @@ class ReadAhead:
             ahead += size
             self._wrapped += size
             if size:
-                read = _after(self._releasing.get(self._next), self._reads.read)  # a new pass's read: not dropped
+                read = _after(self._releasing.get(self._next), self._read(self._next, self._next_used))
                 jobs.append((read, self._spans[self._next], self._values))  # type: ignore[index]
             self._next += 1
         return jobs
 
     def _new_pass(self, order: Sequence[Any]) -> None:
-        self._ahead, self._next, self._wrapped, self._releasing, self._used = 0, 0, 0, {}, {}
+        self._ahead, self._next, self._wrapped, self._releasing = 0, 0, 0, {}
+        self._used, self._next_used = self._next_used, {}
         learned = self._spans is None or len(self._spans) != len(order)
         if learned:
             self._learn(order)
