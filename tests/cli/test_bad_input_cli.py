@@ -82,6 +82,9 @@ CONFIGS = {
         '{"model_type": "llama", "hidden_size": "x"}',
         r"Cannot read the model config in '.*wrong'.*hidden_size",  # was huggingface_hub's StrictDataclassError
     ),
+    # Both were an AttributeError traceback from transformers ("module 'torch' has no attribute 'float7'").
+    "unknown-torch-dtype": ('{"model_type": "llama", "torch_dtype": "float7"}', r"config in '.*wrong'.*'float7'"),
+    "unknown-dtype": ('{"model_type": "llama", "dtype": "float7"}', r"config in '.*wrong'.*'float7'"),
 }
 
 
