@@ -82,6 +82,9 @@ CONFIGS = {
         '{"model_type": "llama", "hidden_size": "x"}',
         r"Cannot read the model config in '.*wrong'.*hidden_size",  # was huggingface_hub's StrictDataclassError
     ),
+    # Both were an AttributeError traceback from transformers ("module 'torch' has no attribute 'float7'").
+    "unknown-torch-dtype": ('{"model_type": "llama", "torch_dtype": "float7"}', r"config in '.*wrong'.*'float7'"),
+    "unknown-dtype": ('{"model_type": "llama", "dtype": "float7"}', r"config in '.*wrong'.*'float7'"),
 }
 
 
@@ -99,3 +102,14 @@ def test_a_bad_config_is_the_cli_error_line(case, command, tmp_path, capsys, mon
     lines = _error_lines(captured.err)
     assert len(lines) == 1 and captured.err.strip().splitlines()[-1] == lines[0], captured.err
     assert re.search(message, lines[0]), lines[0]
+
+
+def test_python_dash_m_bigmodel_is_the_command():
+    # Before: "No module named bigmodel.__main__; 'bigmodel' is a package and cannot be directly executed".
+    result = subprocess.run(
+        [sys.executable, "-m", "bigmodel", "generate", "--max-new-tokens", "abc"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(SRC), "BIGMODEL_DEBUG": ""},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("bigmodel: error: argument --max-new-tokens")

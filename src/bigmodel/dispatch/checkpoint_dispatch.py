@@ -1,6 +1,7 @@
 """``load_checkpoint_and_dispatch``: the one-call path, plan → load → check → dispatch.
 
-A call that fails leaves the offload folder as it found it (:class:`~bigmodel.offload.undo.OffloadFolderUndo`).
+A call that fails leaves the offload folder as it found it (:class:`~bigmodel.offload.undo.OffloadFolderUndo`);
+no other offload writes the folder while a call runs (:func:`~bigmodel.offload.folder_lock.folder_lock`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from ..core.devices import DeviceSpec
+from ..offload.folder_lock import folder_lock
 from ..offload.undo import OffloadFolderUndo
 from ..planning.disjoint import check_map_type
 
@@ -78,7 +80,8 @@ def load_checkpoint_and_dispatch(
         )
     if offload_state_dict is None:
         offload_state_dict = device_map is not None and "disk" in device_map.values()
-    with OffloadFolderUndo(offload_folder):
+    # Locked first: the undo's snapshot and the dispatch's mapping see no other process's offload.
+    with folder_lock(offload_folder), OffloadFolderUndo(offload_folder):
         load_checkpoint_in_model(
             model, checkpoint, device_map=device_map, offload_folder=offload_folder, dtype=dtype,
             offload_state_dict=offload_state_dict, offload_buffers=offload_buffers, strict=strict,

@@ -27,6 +27,7 @@ from ..core.tensors import (
 )
 from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded, tie_to_resident
 from ..hooks.align_hook import offload_hook_of
+from ..offload.folder_lock import folder_lock
 from ..offload.quantized import check_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
@@ -281,24 +282,26 @@ def dispatch_model(
         state_dict, in_ram = quantize_in_ram(model, state_dict, form)
     if not on_cpu and state_dict:
         state_dict = pin_tensors(state_dict, owner=model)  # once (never the disk part); freed with the model
-    on_disk = _disk_weights(model, disk_modules, offload_dir, offload_index, offload_buffers, form)
-    offloaded_kinds = ("disk",) if on_cpu else ("cpu", "disk")
-    blocks, served = module_blocks(model, device_map, offloaded_kinds)  # hooks go on modules
-    if served:  # tensors of an offloaded module mapped apart from it: its hook reads them from memory
-        tensors = model.state_dict(keep_vars=True)
-        state_dict = {**(state_dict or {}), **{name: tensors[name].detach() for name in served}}
-    execution_device = {name: main if d in ("cpu", "disk") else d for name, d in blocks.items()}
-    execution_device[""] = main
-    offload = {name: d in offloaded_kinds for name, d in blocks.items()}
-    weights_map = None
-    if state_dict is not None or disk_modules or offload_index is not None:
-        if disk_modules and offload_index is None:  # the index _disk_weights wrote ({} if it had nothing to write)
-            offload_index = load_offload_index(offload_dir)
-        weights_map = OffloadedWeightsLoader(
-            state_dict=state_dict or {}, save_folder=offload_dir if disk_modules else None, index=offload_index
-        )
-        weights_map.map_dat_files()  # the model keeps its .dat values if another offload rewrites the folder
-        weights_map = wrap_weights_map(weights_map, form, in_ram, offload_dir if on_disk else None, on_disk)
+    # No other offload writes the folder until this model has mapped its files (map_dat_files).
+    with folder_lock(offload_dir if disk_modules else None):
+        on_disk = _disk_weights(model, disk_modules, offload_dir, offload_index, offload_buffers, form)
+        offloaded_kinds = ("disk",) if on_cpu else ("cpu", "disk")
+        blocks, served = module_blocks(model, device_map, offloaded_kinds)  # hooks go on modules
+        if served:  # tensors of an offloaded module mapped apart from it: its hook reads them from memory
+            tensors = model.state_dict(keep_vars=True)
+            state_dict = {**(state_dict or {}), **{name: tensors[name].detach() for name in served}}
+        execution_device = {name: main if d in ("cpu", "disk") else d for name, d in blocks.items()}
+        execution_device[""] = main
+        offload = {name: d in offloaded_kinds for name, d in blocks.items()}
+        weights_map = None
+        if state_dict is not None or disk_modules or offload_index is not None:
+            if disk_modules and offload_index is None:  # the index _disk_weights wrote ({} if it had nothing to write)
+                offload_index = load_offload_index(offload_dir)
+            weights_map = OffloadedWeightsLoader(
+                state_dict=state_dict or {}, save_folder=offload_dir if disk_modules else None, index=offload_index
+            )
+            weights_map.map_dat_files()  # the model keeps its .dat values if another offload rewrites the folder
+            weights_map = wrap_weights_map(weights_map, form, in_ram, offload_dir if on_disk else None, on_disk)
     place_uncovered_buffers(model, device_map, main)
     tied, tied_map = _tied_params_map(model)
     attach_align_device_hook_on_blocks(

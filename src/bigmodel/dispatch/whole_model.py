@@ -28,6 +28,7 @@ from ..hooks.align import (
 from ..hooks.align_hook import AlignDevicesHook
 from ..hooks.cpu_offload import CpuOffload, PinnedCpuOffload, UserCpuOffloadHook
 from ..hooks.registry import add_hook_to_module
+from ..offload.folder_lock import folder_lock
 from ..offload.quantized import check_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
@@ -262,11 +263,12 @@ def disk_offload(
     form = check_form(offload_quantization)
     _undispatch(model, "disk_offload")
     state = {k: v.detach() for k, v in read_by_hooks(model, offload_buffers).items()}
-    rest, quantized = store_on_disk(model, offload_dir, state, form)
-    ensure_offloaded(offload_dir, rest)
+    with folder_lock(offload_dir):  # no other offload writes the folder until its files are mapped
+        rest, quantized = store_on_disk(model, offload_dir, state, form)
+        ensure_offloaded(offload_dir, rest)
+        loader = OffloadedWeightsLoader(save_folder=offload_dir, index=load_offload_index(offload_dir))  # {}: none
+        loader.map_dat_files()  # the model keeps its values if another offload rewrites the folder
     device = execution_device if execution_device is not None else _default_device(model)
-    loader = OffloadedWeightsLoader(save_folder=offload_dir, index=load_offload_index(offload_dir))  # {} if no tensor
-    loader.map_dat_files()  # the model keeps its values if another offload rewrites the folder
     weights_map = wrap_weights_map(loader, form, None, offload_dir, quantized)
     _attach_whole_model(model, device, weights_map, offload_buffers, preload_module_classes)
     return model

@@ -37,6 +37,7 @@ from .placeholders import (
     adopt_registered_parameters,
     adopt_replaced_buffers,
     assign_tensor,
+    check_shape,
     follow_held_dtype,
     inner_hook_follows,
     make_slot,
@@ -215,18 +216,17 @@ class AlignDevicesHook(ModelHook):
         """``value`` of tensor ``name`` as the module should hold it: on the execution device
         (``device``, when the caller already resolved :attr:`device`), in the placeholder's
         floating dtype, wrapped as a Parameter (with the placeholder's ``requires_grad``) if it
-        was one.  No copy when the value already has that device and dtype."""
-        slot = self._slots[name]
-        dtype, requires_grad = placeholder_state(slot)
-        return self._as_held(slot, value, self.device if device is _HOOK_DEVICE else device, dtype, requires_grad)
+        was one (ValueError, naming it, if not of its shape).  No copy when it has that device and dtype."""
+        slot, device = self._slots[name], self.device if device is _HOOK_DEVICE else device
+        return self._as_held(slot, value, device, *placeholder_state(slot), name)
 
     def slot(self, name: str) -> Slot | None:
         """The :class:`~bigmodel.hooks.placeholders.Slot` of offloaded tensor ``name`` (None if not offloaded)."""
         return self._slots.get(name)
 
-    @staticmethod
-    def _as_held(slot: Slot, value: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None,
-                 requires_grad: bool) -> torch.Tensor:
+    def _as_held(self, slot: Slot, value: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None,
+                 requires_grad: bool, name: str) -> torch.Tensor:
+        check_shape(slot, value, name, self.module_name)  # a weights map of another model: named, never broadcast
         if device is not None and value.device != device:
             # Asynchronous only towards an accelerator: a device→host copy must be complete when used.
             value = value.to(device, non_blocking=device.type != "cpu")
@@ -271,7 +271,7 @@ class AlignDevicesHook(ModelHook):
                 if per_device is not None and device in per_device:
                     assign_tensor(module, name, per_device[device])
                     continue
-            loaded = self._as_held(slot, value, device, dtype, requires_grad)
+            loaded = self._as_held(slot, value, device, dtype, requires_grad, name)
             if tokens is not None and rebuilt is None:
                 keep_value(self, tokens, name, slot, value, loaded)
             if per_device is not None:
@@ -366,7 +366,7 @@ class AlignDevicesHook(ModelHook):
             value = self.weights_map[name]  # type: ignore[index]
             original = self.original_devices.get(name)
             device = original if original is not None and original.type != "meta" else None
-            assign_tensor(module, name, self._as_held(slot, value, device, dtype, requires_grad))
+            assign_tensor(module, name, self._as_held(slot, value, device, dtype, requires_grad, name))
         self._slots.clear()
         self._kept.clear()
         return module

@@ -204,6 +204,24 @@ class Slot:
         return self.param_type(value, requires_grad=requires_grad, **(self.extra or {}))
 
 
+def check_shape(slot: Slot, value: torch.Tensor, name: str, module_name: str = "") -> None:
+    """Refuse a value from a weights map whose shape is not the shape of the tensor its slot replaces.
+
+    Raises:
+        ValueError: the shapes differ (names the tensor, both shapes and the fix); a value of another
+            shape would otherwise be used as it is (a bias of shape ``[1]`` broadcasts: wrong outputs).
+    """
+    with torch._C.DisableTorchFunctionSubclass():
+        shape = slot.placeholder.shape
+    if value.shape != shape and slot.param_type.__name__ != "Params4bit":  # bitsandbytes packs 4-bit weights
+        full = f"{module_name}.{name}" if module_name else name
+        raise ValueError(
+            f"Offloaded tensor {full!r} has shape {list(value.shape)} in its weights map (offload folder) but "
+            f"{list(shape)} in the model: they hold another model's weights; offload this model again, or pass "
+            "the offload folder (weights map) written for it."
+        )
+
+
 def placeholder_state(slot: Slot) -> tuple[torch.dtype | None, bool]:
     """``(floating dtype or None, requires_grad)`` of a slot's placeholder, read without its ``__torch_function__``."""
     with torch._C.DisableTorchFunctionSubclass():

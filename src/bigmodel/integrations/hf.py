@@ -105,7 +105,7 @@ def load_config(path: str | os.PathLike) -> Any:
     Raises:
         FileNotFoundError: no config.json (see :func:`resolve_model_folder`).
         ValueError: the config cannot be parsed by transformers: invalid or too deeply nested
-            JSON, unknown model type, a field of the wrong type (names the file).
+            JSON, unknown model type, a field of the wrong type, a dtype torch lacks (names the file).
     """
     transformers = require_transformers()
     folder = resolve_model_folder(path)
@@ -119,7 +119,8 @@ def load_config(path: str | os.PathLike) -> Any:
                 raise ValueError("no 'model_type' key")
             return transformers.AutoConfig.for_model(model_type, **data)
         return transformers.AutoConfig.from_pretrained(str(folder))
-    except (ValueError, KeyError, TypeError, OSError, RecursionError, *_hub_config_errors()) as error:
+    # AttributeError: transformers looks a config's "dtype" / "torch_dtype" up with getattr(torch, ...).
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError, *_hub_config_errors()) as error:
         raise ValueError(
             f"Cannot read the model config in {str(folder)!r} ({_brief(error)}); check that it is a transformers "
             "config.json with a known 'model_type'."

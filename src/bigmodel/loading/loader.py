@@ -46,6 +46,7 @@ from ..core.tensors import (
     retie_parameters,
     set_module_tensor_to_device,
 )
+from ..offload.folder_lock import folder_lock
 from ..offload.format import files_no_offload_wrote
 from ..offload.quantized import check_form, quantizable_names
 from ..offload.quantized_store import QuantizedFolderWrites
@@ -144,10 +145,11 @@ def load_checkpoint_in_model(
         )  # fmt: skip
     if offload_8bit_bnb:
         logger.debug("offload_8bit_bnb: bitsandbytes weights are offloaded as stored.")
-    _load(
-        model, checkpoint, None, device_map, offload_folder, floating_dtype(dtype), offload_state_dict,
-        offload_buffers, keep_in_fp32_modules or (), strict, check_form(offload_quantization),
-    )  # fmt: skip
+    with folder_lock(offload_folder):  # no other offload into the folder meanwhile
+        _load(
+            model, checkpoint, None, device_map, offload_folder, floating_dtype(dtype), offload_state_dict,
+            offload_buffers, keep_in_fp32_modules or (), strict, check_form(offload_quantization),
+        )  # fmt: skip
 
 
 def _load(

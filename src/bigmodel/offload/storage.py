@@ -29,6 +29,7 @@ from ..core.subclasses import (
     is_tensor_subclass,
 )
 from ..core.tensors import set_module_tensor_to_device
+from .folder_lock import folder_lock
 from .format import (
     INDEX_NAME,
     _read_safetensors_entry,
@@ -51,21 +52,10 @@ from .writer import (
 )
 
 __all__ = [
-    "INDEX_NAME",
-    "OffloadWriter",
-    "OffloadedWeightsLoader",
-    "PrefixedDataset",
-    "dat_path",
-    "dtype_name",
-    "extract_submodules_state_dict",
-    "load_offload_index",
-    "load_offloaded_weight",
-    "load_offloaded_weights",
-    "offload_state_dict",
-    "offload_weight",
-    "parse_dtype",
-    "save_offload_index",
-]
+    "INDEX_NAME", "OffloadWriter", "OffloadedWeightsLoader", "PrefixedDataset", "dat_path", "dtype_name",
+    "extract_submodules_state_dict", "load_offload_index", "load_offloaded_weight", "load_offloaded_weights",
+    "offload_state_dict", "offload_weight", "parse_dtype", "save_offload_index",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -179,14 +169,15 @@ def offload_state_dict(save_dir: str | os.PathLike, state_dict: Mapping[str, tor
                 f"offload_state_dict: state_dict[{name!r}] is a {type(value).__name__}, not a torch.Tensor; pass a "
                 "dict of tensor name → torch.Tensor (drop or convert the other values)."
             )
-    writer = OffloadWriter(save_dir)
-    try:
-        for name, tensor in state_dict.items():
-            writer.write(name, tensor)
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+    with folder_lock(save_dir):  # no other offload writes the folder meanwhile
+        writer = OffloadWriter(save_dir)
+        try:
+            for name, tensor in state_dict.items():
+                writer.write(name, tensor)
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
 
 
 def extract_submodules_state_dict(state_dict: Mapping[str, Any], submodule_names: Iterable[str]) -> dict[str, Any]:
