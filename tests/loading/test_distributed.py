@@ -464,3 +464,25 @@ def test_peak_rss_is_shard_plus_one_tensor(tmp_path, big_checkpoint, full_state_
         assert result["peak_delta"] < result["local"] + 2 * largest + 64 * mib, (rank, result, total)
         if rank and not full_state_dict:  # only its shards ever reach a rank other than 0
             assert result["peak_delta"] < result["local"] + largest // 2 + 32 * mib, (rank, result, total)
+
+
+def _job_dispatch_sharing_a_folder_name(rank: int, world: int, ckpt: str, folder: str, out: str) -> None:
+    from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
+
+    with init_empty_weights():
+        model = transformers.LlamaForCausalLM(_config())
+    load_checkpoint_and_dispatch(model, ckpt if rank == 0 else MISSING, device_map={"": "cpu"},
+                                 offload_folder=folder, broadcast_from_rank0=True)  # fmt: skip
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(out) / f"rank{rank}.pt")
+
+
+def test_ranks_of_one_machine_naming_one_offload_folder_do_not_wait_for_each_other(tmp_path):
+    """Broadcast loading writes no offload folder: it takes no folder lock (the rank holding it would wait
+    in a collective for the ranks waiting for the lock)."""
+    state = _save_checkpoint(tmp_path / "ckpt", _config())
+    out = tmp_path / "out"
+    out.mkdir()
+    _run(_job_dispatch_sharing_a_folder_name, 2, str(tmp_path / "ckpt"), str(tmp_path / "off"), str(out))
+    for result in _results(out, 2):
+        for name, value in state.items():
+            assert torch.equal(result[name], value), name

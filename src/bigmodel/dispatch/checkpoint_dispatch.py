@@ -80,8 +80,10 @@ def load_checkpoint_and_dispatch(
         )
     if offload_state_dict is None:
         offload_state_dict = device_map is not None and "disk" in device_map.values()
-    # Locked first: the undo's snapshot and the dispatch's mapping see no other process's offload.
-    with folder_lock(offload_folder), OffloadFolderUndo(offload_folder):
+    # Locked first: the undo's snapshot and the dispatch's mapping see no other process's offload.  Not
+    # when broadcasting from rank 0 (it writes no folder; ranks of one machine sharing the folder's name
+    # would wait for the lock while the holder waits for them in a collective).
+    with folder_lock(None if broadcast_from_rank0 else offload_folder), OffloadFolderUndo(offload_folder):
         load_checkpoint_in_model(
             model, checkpoint, device_map=device_map, offload_folder=offload_folder, dtype=dtype,
             offload_state_dict=offload_state_dict, offload_buffers=offload_buffers, strict=strict,

@@ -302,8 +302,9 @@ class ReadAhead:
         self.streaming = available > 0 and total > STREAM_FRACTION * available
         count = len(self._bytes)
         if self.streaming:
-            last = self._bytes[-1]  # never released: no module starts after it in its pass
-            self._kept = spread_kept(self._bytes[:-1], RETAIN_FRACTION * available - 2 * self.window - last) + [True]
+            # The last module is never released (no module starts after it in its pass): it holds the
+            # place of the running one of the two windows of pages in use that the budget leaves out.
+            self._kept = spread_kept(self._bytes[:-1], RETAIN_FRACTION * available - 2 * self.window) + [True]
             self._cost = [0 if kept else size for kept, size in zip(self._kept, self._bytes)]
         else:
             self._kept, self._cost = [True] * count, list(self._bytes)
