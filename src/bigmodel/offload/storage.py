@@ -349,10 +349,13 @@ def _file_backed(tensor: torch.Tensor) -> bool:
 
 
 class PrefixedDataset(Mapping):
-    """Mapping view of ``dataset`` restricted to keys starting with ``prefix``, with the prefix removed.
+    """Mapping view of ``dataset`` restricted to keys starting with ``prefix``: lookups add the prefix.
 
     ``PrefixedDataset(weights, "model.layers.0.")["mlp.up.weight"]`` is
-    ``weights["model.layers.0.mlp.up.weight"]``.
+    ``weights["model.layers.0.mlp.up.weight"]``.  Iterating (``keys()``) gives the dataset's own,
+    full names under the prefix (``"model.layers.0.mlp.up.weight"``), as accelerate's does: code
+    reads ``weights_map.dataset[next(iter(weights_map))]`` (compressed-tensors'
+    ``get_offloaded_device``).  Strip ``prefix`` from them to look them up in the view itself.
 
     Args:
         dataset: any Mapping name → tensor (e.g. an :class:`OffloadedWeightsLoader`).
@@ -370,8 +373,7 @@ class PrefixedDataset(Mapping):
         return isinstance(key, str) and f"{self.prefix}{key}" in self.dataset
 
     def __iter__(self) -> Iterator[str]:
-        n = len(self.prefix)
-        return (key[n:] for key in self.dataset if key.startswith(self.prefix))
+        return (key for key in self.dataset if key.startswith(self.prefix))
 
     def __len__(self) -> int:
         return sum(1 for key in self.dataset if key.startswith(self.prefix))
