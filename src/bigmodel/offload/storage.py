@@ -352,10 +352,8 @@ class PrefixedDataset(Mapping):
     """Mapping view of ``dataset`` restricted to keys starting with ``prefix``: lookups add the prefix.
 
     ``PrefixedDataset(weights, "model.layers.0.")["mlp.up.weight"]`` is
-    ``weights["model.layers.0.mlp.up.weight"]``.  Iterating (``keys()``) gives the dataset's own,
-    full names under the prefix (``"model.layers.0.mlp.up.weight"``), as accelerate's does: code
-    reads ``weights_map.dataset[next(iter(weights_map))]`` (compressed-tensors'
-    ``get_offloaded_device``).  Strip ``prefix`` from them to look them up in the view itself.
+    ``weights["model.layers.0.mlp.up.weight"]``.  Iterating gives the dataset's full names under the
+    prefix, as accelerate's does (code reads ``weights_map.dataset[next(iter(weights_map))]``).
 
     Args:
         dataset: any Mapping name → tensor (e.g. an :class:`OffloadedWeightsLoader`).
