@@ -102,3 +102,16 @@ def test_weights_map_keys_are_the_datasets_full_names(library, tmp_path):
     lib.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
     assert sorted(model[0]._hf_hook.weights_map) == ["0.bias", "0.weight"]
     assert _offloaded_device(model[0]) == torch.device("cpu")
+
+
+def test_align_devices_hook_repr_reads_as_accelerates():
+    import accelerate.hooks
+
+    from bigmodel.hooks import AlignDevicesHook
+
+    for kwargs in ({}, {"execution_device": "cpu", "offload": True}, {"execution_device": torch.device("cpu"), "skip_keys": "cache"}):
+        assert repr(AlignDevicesHook(**kwargs)) == repr(accelerate.hooks.AlignDevicesHook(**kwargs))
+    assert repr(AlignDevicesHook("cpu", io_same_device=True)) == (
+        "AlignDevicesHook(execution_device=cpu, offload=False, io_same_device=True, offload_buffers=False, "
+        "place_submodules=False, skip_keys=None)"
+    )
