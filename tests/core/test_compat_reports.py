@@ -147,3 +147,32 @@ def test_get_max_layer_size_takes_one_no_split_class_as_a_string():
     layers = (sizes["model.layers.0"], ["model.layers.0", "model.layers.1"])
     assert get_max_layer_size(children, sizes, "LlamaDecoderLayer") == layers
     assert get_max_layer_size(children, sizes, ["LlamaDecoderLayer"]) == layers
+
+
+@pytest.mark.parametrize("library", ["accelerate", "bigmodel"])
+def test_a_tensor_name_the_module_lacks_is_a_value_error(library):
+    """accelerate 1.15 raises ValueError for a module that has no tensor of that name (code catches it)."""
+    import importlib
+
+    set_tensor = importlib.import_module(f"{library}.utils").set_module_tensor_to_device
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="nothere"):
+        set_tensor(model, "0.nothere", "cpu", value=torch.ones(4))
+    with pytest.raises(ValueError, match="nothere"):
+        set_tensor(model, "nothere", "cpu", value=torch.ones(4))
+    with pytest.raises(AttributeError):  # a missing submodule: AttributeError in both
+        set_tensor(model, "1.weight", "cpu", value=torch.ones(4))
+    assert sorted(name for name, _ in model.named_parameters()) == ["0.bias", "0.weight"]  # nothing added
+
+
+@pytest.mark.parametrize("library", ["accelerate", "bigmodel"])
+def test_module_sizes_read_zero_for_modules_without_tensors(library):
+    """accelerate 1.15 returns a defaultdict(int): ``sizes[name]`` of every named module works (0 bytes for
+    an activation or a dropout), so code walking ``named_modules()`` reads it without ``.get``."""
+    import importlib
+
+    sizes_of = importlib.import_module(f"{library}.utils").compute_module_sizes
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Dropout(), nn.Linear(4, 2, bias=False)))
+    sizes = sizes_of(model)
+    assert {name: sizes[name] for name, _ in model.named_modules()} == {"": 112, "0": 80, "1": 0, "2": 32, "2.0": 0, "2.1": 32}
+    assert sizes["0.weight"] == 64 and sizes["not.a.module"] == 0

@@ -421,7 +421,7 @@ def test_attach_on_blocks_defaults_follow_the_api_contract():
 def test_align_devices_hook_repr_lists_its_settings():
     hook = AlignDevicesHook("cpu", offload=True, skip_keys=["cache"])
     assert repr(hook) == (
-        "AlignDevicesHook(execution_device='cpu', offload=True, io_same_device=False, offload_buffers=False, "
+        "AlignDevicesHook(execution_device=cpu, offload=True, io_same_device=False, offload_buffers=False, "
         "place_submodules=False, skip_keys=['cache'])"
     )
 

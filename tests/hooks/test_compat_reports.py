@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -75,3 +76,42 @@ def test_a_parameter_registered_after_disk_offload_is_loaded_from_the_offload_lo
     _register_offload_parameter(model[0], "scale", nn.Parameter(torch.full((4,), 2.0), requires_grad=False))
     torch.testing.assert_close(model(x), scaled, rtol=0, atol=0)
     assert model[0].scale.is_meta
+
+
+def _offloaded_device(module: nn.Module) -> torch.device:
+    """compressed-tensors' ``get_offloaded_device``: the first key of the hook's weights map, read
+    from the map's underlying dataset (accelerate's PrefixedDataset iterates the dataset's full keys)."""
+    first_key = list(module._hf_hook.weights_map.keys())[0]
+    return module._hf_hook.weights_map.dataset[first_key].device
+
+
+@pytest.mark.parametrize("library", ["accelerate", "bigmodel"])
+def test_weights_map_keys_are_the_datasets_full_names(library, tmp_path):
+    import importlib
+
+    lib = importlib.import_module(library)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    lib.cpu_offload(model, execution_device="cpu")
+    weights_map = model[1]._hf_hook.weights_map
+    assert sorted(weights_map.keys()) == ["1.bias", "1.weight"]
+    assert weights_map["weight"].shape == (2, 4)  # lookups stay relative to the module
+    assert _offloaded_device(model[1]) == torch.device("cpu")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    lib.disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    assert sorted(model[0]._hf_hook.weights_map) == ["0.bias", "0.weight"]
+    assert _offloaded_device(model[0]) == torch.device("cpu")
+
+
+def test_align_devices_hook_repr_reads_as_accelerates():
+    import accelerate.hooks
+
+    from bigmodel.hooks import AlignDevicesHook
+
+    for kwargs in ({}, {"execution_device": "cpu", "offload": True}, {"execution_device": torch.device("cpu"), "skip_keys": "cache"}):
+        assert repr(AlignDevicesHook(**kwargs)) == repr(accelerate.hooks.AlignDevicesHook(**kwargs))
+    assert repr(AlignDevicesHook("cpu", io_same_device=True)) == (
+        "AlignDevicesHook(execution_device=cpu, offload=False, io_same_device=True, offload_buffers=False, "
+        "place_submodules=False, skip_keys=None)"
+    )

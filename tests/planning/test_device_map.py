@@ -60,7 +60,9 @@ def test_split_module_gives_its_own_buffer_a_device():
 
 
 def test_whole_model_on_one_device_is_one_entry():
-    assert infer_auto_device_map(Blocks(3), {0: 10_000, "cpu": 10}) == {"": 0}
+    assert infer_auto_device_map(TiedLM(), {0: 10_000, "cpu": 10}) == {"": 0}
+    # a model with one child keeps that child's key (accelerate merges two entries or more only)
+    assert infer_auto_device_map(Blocks(3), {0: 10_000, "cpu": 10}) == {"blocks": 0}
     assert infer_auto_device_map(Blocks(3), {0: 10_000}, clean_result=False) == {"blocks": 0}
 
 
@@ -99,7 +101,7 @@ def test_gap_accelerator_ids_work_for_every_string_map():
     balanced = resolve_device_map(model, "balanced", {0: 10**6, 2: 10**6})
     # even share 4000 bytes + 1.25 largest layer: five layers on 0, the rest on 2
     assert list(balanced.values()) == [0] * 5 + [2] * 3
-    assert resolve_device_map(model, "sequential", {0: 10**6, 2: 10**6}) == {"": 0}
+    assert resolve_device_map(model, "sequential", {0: 10**6, 2: 10**6}) == {"layers": 0}
 
 
 def test_balanced_map_uses_both_accelerators():
@@ -167,7 +169,7 @@ def test_no_split_module_moves_whole_to_the_next_device():
 def test_dtype_and_special_dtypes_change_the_sizes():
     model = Layers(250, 250, 250, 250)  # 4000 bytes in float32
     assert infer_auto_device_map(model, {0: 2000, 1: 10**6})["layers.2"] == 1
-    assert infer_auto_device_map(model, {0: 2000, 1: 10**6}, dtype=torch.float16) == {"": 0}
+    assert infer_auto_device_map(model, {0: 2000, 1: 10**6}, dtype=torch.float16) == {"layers": 0}
     special = {"layers.0.weight": torch.float32}
     assert infer_auto_device_map(model, {0: 2000, 1: 10**6}, dtype="float16", special_dtypes=special) == {
         "layers.0": 0,  # 1000 bytes in float32, then two 500-byte float16 layers fill the 2000 bytes
@@ -199,7 +201,7 @@ def test_fallback_allocation_fills_a_device_the_next_layer_skips():
 def test_verbose_logs_through_logging(caplog, capsys):
     with caplog.at_level(logging.INFO, logger="bigmodel.planning.device_map"):
         infer_auto_device_map(Layers(1, 1), {0: 100}, verbose=True)
-    assert "Device map: {'': 0}" in caplog.text
+    assert "Device map: {'layers': 0}" in caplog.text
     assert capsys.readouterr().out == ""
 
 
@@ -224,7 +226,7 @@ def test_check_device_map_names_uncovered_buffers_too():
 
 
 def test_max_memory_none_plans_over_measured_memory():
-    assert infer_auto_device_map(Layers(1)) in ({"": 0}, {"": "cpu"})
+    assert infer_auto_device_map(Layers(1)) in ({"layers": 0}, {"layers": "cpu"})
 
 
 def test_scan_model_agrees_with_sizes_and_ties():

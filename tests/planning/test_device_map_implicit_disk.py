@@ -55,7 +55,7 @@ def test_accelerator_and_cpu_budgets_also_end_on_disk() -> None:
 
 
 def test_enough_budget_uses_no_disk() -> None:
-    assert infer_auto_device_map(Stack(), max_memory={"cpu": "1MB"}) == {"": "cpu"}
+    assert infer_auto_device_map(Stack(), max_memory={"cpu": "1MB"}) == {"layers": "cpu"}  # one child: its key
 
 
 def test_explicit_disk_key_is_still_a_budget() -> None:

@@ -11,6 +11,7 @@ import functools
 import logging
 import math
 import re
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -248,9 +249,12 @@ def compute_module_sizes(
         buffers_only: count buffers only.
 
     Returns:
-        dict name → bytes (ints) for ``""``, every module with tensors under it and every tensor.
+        dict name → bytes (ints) for ``""``, every module with tensors under it and every tensor;
+        a ``defaultdict(int)``, as accelerate returns, so any other name (a module without
+        tensors: an activation, a dropout) reads 0.
     """
-    sizes: dict[str, int] = {"": 0}
+    sizes: dict[str, int] = defaultdict(int)
+    sizes[""] = 0
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         for tensor_name, tensor in _direct_tensors(module, buffers=True, parameters=not buffers_only):

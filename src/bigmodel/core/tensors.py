@@ -61,6 +61,11 @@ def get_non_persistent_buffers(module: nn.Module, recurse: bool = False, fqns: b
     return names
 
 
+class MissingTensorError(AttributeError, ValueError):
+    """A module has no parameter or buffer of the given name: a ValueError as accelerate raises it,
+    and an AttributeError (what a missing attribute is in torch)."""
+
+
 def get_submodule_and_name(module: nn.Module, tensor_name: str) -> tuple[nn.Module, str]:
     """Resolve ``"a.b.weight"`` to ``(module.a.b, "weight")``.
 
@@ -136,13 +141,17 @@ def set_module_tensor_to_device(
         clear_cache: empty the accelerator cache after the move.
 
     Raises:
-        AttributeError: the module has no parameter or buffer of that name.
+        ValueError: the module has no parameter or buffer of that name (``MissingTensorError``, also
+            an AttributeError).  A missing submodule is an AttributeError.
         ValueError: the tensor is on ``meta`` and no value is given, or the value's shape differs
             (names the tensor and both shapes).
     """
     submodule, name = get_submodule_and_name(module, tensor_name)
     if name not in submodule._parameters and name not in submodule._buffers:
-        raise AttributeError(f"{type(submodule).__name__} has no parameter or buffer named {name!r} ({tensor_name!r}).")
+        raise MissingTensorError(
+            f"{type(submodule).__name__} has no parameter or buffer named {name!r} ({tensor_name!r}); "
+            "check the name against model.state_dict().keys()."
+        )
     old = submodule._parameters[name] if name in submodule._parameters else submodule._buffers[name]
     target = torch_device(device) if not isinstance(device, torch.device) else device
     if dtype is not None and not isinstance(dtype, torch.dtype):

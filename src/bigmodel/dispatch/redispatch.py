@@ -20,7 +20,7 @@ from ..core.devices import DeviceSpec, is_accelerator
 from ..hooks.align_hook import has_offloaded_params
 from ..hooks.forward import ModuleBound
 from ..hooks.placeholders import placeholders_stay_meta
-from ..hooks.registry import TIED_PARAMS, patch_attribute, remove_hook_from_submodules
+from ..hooks.registry import TIED_PARAMS, iter_hooks, patch_attribute, remove_hook_from_submodules
 from ..offload.resident import read_resident
 from ..transfer.copies import DeviceStager
 from .prefetch_setup import enable_prefetch
@@ -30,6 +30,17 @@ logger = logging.getLogger(__name__)
 
 def _offloaded_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if has_offloaded_params(module)]
+
+
+def _execution_devices(model: nn.Module) -> list[str]:
+    """The execution devices of ``model``'s hooks, each once, quoted, in module order."""
+    devices: dict[str, None] = {}
+    for module in model.modules():
+        for hook in iter_hooks(module.__dict__.get("_hf_hook")):
+            device = getattr(hook, "execution_device", None)
+            if device is not None:
+                devices[repr(str(device))] = None
+    return list(devices)
 
 
 def _caller_name() -> str:
@@ -86,8 +97,9 @@ class GuardedApply(ModuleBound):
                 "bigmodel.remove_hook_from_submodules(model) first, which brings the weights back into the modules."
             )
         logger.warning(
-            "Calling .%s() on a model dispatched over several devices moves every part; its hooks keep the old "
-            "execution devices. Re-dispatch the model instead.", name,
+            "Calling .%s() on a model dispatched with hooks moves its tensors, but its hooks keep moving inputs "
+            "to their execution devices (%s); dispatch it again with the new device map instead.",
+            name, ", ".join(_execution_devices(model)) or "none",
         )
         return apply(model, fn, *args, **kwargs)
 

@@ -101,11 +101,11 @@ class AlignDevicesHook(ModelHook):
         self._bypassed: list[list[tuple[nn.Module, AlignDevicesHook, Any]]] = []  # per active forward
         self._plans = PlanSlot()  # the members' kept values, put in in one pass (hooks.block_plan)
 
-    _REPR_FIELDS = ("execution_device", "offload", "io_same_device", "offload_buffers", "place_submodules", "skip_keys")
+    _REPR_FIELDS = ("execution_device", "offload", "io_same_device", "offload_buffers", "place_submodules")
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._REPR_FIELDS)
-        return f"{type(self).__name__}({fields})"
+    def __repr__(self) -> str:  # as accelerate prints it: settings as str() (execution_device=cpu), skip_keys as repr()
+        fields = "".join(f"{name}={getattr(self, name)}, " for name in self._REPR_FIELDS)
+        return f"{type(self).__name__}({fields}skip_keys={self.skip_keys!r})"
 
     @property
     def device(self) -> torch.device | None:

@@ -25,18 +25,27 @@ logger = logging.getLogger(__name__)
 _MAX_LISTED_KEYS = 20
 
 
+class CheckpointMismatchError(ValueError, RuntimeError):
+    """``strict=True`` found keys the model and the checkpoint do not share.
+
+    A ValueError naming the keys, and a RuntimeError as torch's ``load_state_dict(strict=True)``
+    (which accelerate uses for a load without a device map) raises it.
+    """
+
+
 def report_keys(missing: list[str], unexpected: list[str], strict: bool) -> None:
     """Log the keys the model and the checkpoint do not share, or raise with ``strict``.
 
     Raises:
-        ValueError: with ``strict``, when any key is missing or unexpected (lists them).
+        CheckpointMismatchError: with ``strict``, when any key is missing or unexpected (lists
+            them); both a ValueError and a RuntimeError.
     """
     if not missing and not unexpected:
         return
     labelled = (("missing", missing), ("unexpected", unexpected))
     parts = [f"{label} keys ({len(keys)}): {listed(keys)}" for label, keys in labelled if keys]
     if strict:
-        raise ValueError(
+        raise CheckpointMismatchError(
             "The checkpoint does not match the model; " + "; ".join(parts)
             + ". Load the matching checkpoint, or pass strict=False to load what matches."
         )

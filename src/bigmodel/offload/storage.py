@@ -340,10 +340,11 @@ def _file_backed(tensor: torch.Tensor) -> bool:
 
 
 class PrefixedDataset(Mapping):
-    """Mapping view of ``dataset`` restricted to keys starting with ``prefix``, with the prefix removed.
+    """Mapping view of ``dataset`` restricted to keys starting with ``prefix``: lookups add the prefix.
 
     ``PrefixedDataset(weights, "model.layers.0.")["mlp.up.weight"]`` is
-    ``weights["model.layers.0.mlp.up.weight"]``.
+    ``weights["model.layers.0.mlp.up.weight"]``.  Iterating gives the dataset's full names under the
+    prefix, as accelerate's does (code reads ``weights_map.dataset[next(iter(weights_map))]``).
 
     Args:
         dataset: any Mapping name → tensor (e.g. an :class:`OffloadedWeightsLoader`).
@@ -361,8 +362,7 @@ class PrefixedDataset(Mapping):
         return isinstance(key, str) and f"{self.prefix}{key}" in self.dataset
 
     def __iter__(self) -> Iterator[str]:
-        n = len(self.prefix)
-        return (key[n:] for key in self.dataset if key.startswith(self.prefix))
+        return (key for key in self.dataset if key.startswith(self.prefix))
 
     def __len__(self) -> int:
         return sum(1 for key in self.dataset if key.startswith(self.prefix))

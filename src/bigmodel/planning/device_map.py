@@ -180,11 +180,13 @@ def _warn_if_short(ctx: PlanContext, placed: Placed) -> None:
 
 
 def clean_device_map(device_map: dict[str, int | str], module_name: str = "") -> dict[str, int | str]:
-    """Merge entries under a module into one entry when they all share a device.
+    """Merge the entries under a module into one entry when there are several and they share a device.
 
     ``{"a.x": 0, "a.y": 0, "b": 1}`` becomes ``{"a": 0, "b": 1}``, and a map whose entries all
-    share one device becomes ``{module_name: device}``.  Only entries under ``module_name``
-    (``""``: all of them) are merged.  The map is changed in place and returned.
+    share one device becomes ``{module_name: device}``.  A module reached by one entry only keeps
+    that entry's key (``{"a": 0, "b.inner.0": 1}`` is left as it is), as accelerate 1.15 does.
+    Only entries under ``module_name`` (``""``: all of them) are merged.  The map is changed in
+    place and returned.
 
     Args:
         device_map: module or tensor name → device.
@@ -194,28 +196,21 @@ def clean_device_map(device_map: dict[str, int | str], module_name: str = "") ->
         ``device_map`` itself, cleaned, in its original order.
     """
     mixed = object()
-    state: dict[str, object] = {}
-    under = [name for name in device_map if _is_under(name, module_name)]
-    for name in under:
-        device = device_map[name]
+    state: dict[str, list] = {}  # module strictly above some entries → [their device or mixed, count]
+    for name, device in device_map.items():
         prefix = name
-        while True:
-            seen = state.get(prefix, None)
-            if prefix in state and (seen is mixed or seen == device):
-                break  # every ancestor already accounts for this device
-            state[prefix] = device if prefix not in state else mixed
-            if prefix == module_name:
-                break
+        while _is_under(name, module_name) and prefix != module_name:
             prefix = prefix.rpartition(".")[0] if "." in prefix else ""
+            seen = state.setdefault(prefix, [device, 0])
+            seen[1] += 1
+            if seen[0] is not mixed and seen[0] != device:
+                seen[0] = mixed
     cleaned: dict[str, int | str] = {}
     for name, device in device_map.items():
-        if not _is_under(name, module_name):
-            cleaned[name] = device
-            continue
         top, prefix = name, name
-        while prefix != module_name:
+        while _is_under(name, module_name) and prefix != module_name:
             prefix = prefix.rpartition(".")[0] if "." in prefix else ""
-            if state[prefix] is not mixed:
+            if state[prefix][0] is not mixed and state[prefix][1] > 1:
                 top = prefix
         cleaned.setdefault(top, device)
     device_map.clear()

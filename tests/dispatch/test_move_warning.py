@@ -1,0 +1,30 @@
+"""The warning given for a device move of a dispatched model (nothing offloaded) says what is true.
+
+accelerate 1.15 warns "You shouldn't move a model that is dispatched using accelerate hooks." for
+every move of a dispatched model; bigmodel warns too, and its text must hold for a one-device
+dispatch with ``force_hooks=True`` (it used to claim the model was dispatched over several devices).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from bigmodel import dispatch_model
+
+
+def test_moving_a_model_dispatched_on_one_device_warns_without_claiming_several(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    expected = model(x)
+    dispatch_model(model, {"": "cpu"}, force_hooks=True)
+    with caplog.at_level(logging.WARNING, logger="bigmodel"):
+        assert model.to("cpu") is model
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 1, messages
+    assert "several devices" not in messages[0]
+    assert ".to()" in messages[0] and "hooks" in messages[0] and "'cpu'" in messages[0]
+    assert torch.equal(model(x), expected)
