@@ -188,6 +188,7 @@ class ReadAhead:
         """Forget the spans (call when a weights map's values change)."""
         with self._lock:
             self._spans, self.active, self.streaming, self._early, self._values = None, False, False, False, []
+            self._next_used = {}  # positions of the old order
 
     def first_resident(self) -> bool:
         """True if the first page of the first module with file-backed values is in RAM (one ``mincore``
