@@ -218,3 +218,18 @@ def test_no_subcommand_prints_help_exit_2(capsys) -> None:
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_check_with_quantized_offload_judges_the_greedy_predictions(tiny: Path, tmp_path: Path, capsys) -> None:
+    """Quantized disk layers change the logits by design: --check then passes when every position's greedy
+    next token is the model's in memory (it exited 1 on any logit difference)."""
+    argv = ["generate", str(tiny), "--prompt", "w1", "--max-new-tokens", "2", "--max-memory", "cpu=60KB",
+            "--offload-folder", str(tmp_path / "offload"), "--check"]  # fmt: skip
+    status = main([*argv, "--offload-quantization", "int8"])
+    out = capsys.readouterr().out
+    check = out.split("\ncheck      ")[1]
+    positions = int(re.search(r"logits over (\d+) tokens", check).group(1))
+    assert "DIFFERENT (max |diff|" in check.splitlines()[0]  # int8 weights: the logits move
+    same = int(re.search(r"the same at (\d+) of (\d+) positions", check).group(1))
+    assert f"of {positions} positions" in check and same == positions and status == 0
+    assert main(argv) == 0 and "identical" in capsys.readouterr().out  # unquantized: bit for bit, as before

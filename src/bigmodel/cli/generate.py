@@ -53,11 +53,13 @@ class LogitsCheck:
         identical: True if every logit is bit-identical.
         max_abs_diff: largest absolute difference (0.0 when identical).
         tokens: number of positions compared.
+        same_predictions: positions whose largest logit (the greedy next token) is the same token.
     """
 
     identical: bool
     max_abs_diff: float
     tokens: int
+    same_predictions: int = 0
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> torch.Tensor:
@@ -157,5 +159,8 @@ def check_against_in_memory(
     reference = forward_logits(reference_model, ids)
     del reference_model
     gc.collect()
-    diff = (dispatched - reference).abs().max().item() if dispatched.shape == reference.shape else float("inf")
-    return LogitsCheck(torch.equal(dispatched, reference), diff, int(ids.shape[1]))
+    if dispatched.shape != reference.shape:
+        return LogitsCheck(False, float("inf"), int(ids.shape[1]))
+    diff = (dispatched - reference).abs().max().item()
+    same = int((dispatched.argmax(-1) == reference.argmax(-1)).sum())
+    return LogitsCheck(torch.equal(dispatched, reference), diff, int(ids.shape[1]), same)
