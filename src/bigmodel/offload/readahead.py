@@ -172,7 +172,6 @@ class ReadAhead:
         self._kept: list[bool] = []  # per order position: never released while streaming
         self._cost: list[int] = []  # per order position: bytes it adds to what is read ahead (0: kept in RAM)
         self._next = 0  # streaming: positions < _next of the next pass are read already (wrapping around)
-        self._wrapped = 0  # ... and their bytes
         self._releasing: dict[int, Future] = {}  # position -> its release in this pass
         self._used: dict[int, threading.Event] = {}  # position -> set when released (its queued reads dropped)
         self._next_used: dict[int, threading.Event] = {}  # the same for the next pass's positions read already
@@ -230,7 +229,7 @@ class ReadAhead:
             return
         count, cost = len(order), self._cost
         jobs: list[tuple[Callable, list[Span], object]] = []
-        ahead = sum(cost[index + 1:self._ahead]) + self._wrapped
+        ahead = sum(cost[index + 1:self._ahead]) + sum(cost[:self._next])  # and the next pass's read already
         position = max(self._ahead, index)
         while position < count:
             if position > index:
@@ -266,7 +265,6 @@ class ReadAhead:
             if ahead + size > self.window:
                 break
             ahead += size
-            self._wrapped += size
             if size:
                 read = _after(self._releasing.get(self._next), self._read(self._next, self._next_used))
                 jobs.append((read, self._spans[self._next], self._values))  # type: ignore[index]
@@ -274,7 +272,7 @@ class ReadAhead:
         return jobs
 
     def _new_pass(self, order: Sequence[Any]) -> None:
-        self._ahead, self._next, self._wrapped, self._releasing = 0, 0, 0, {}
+        self._ahead, self._next, self._releasing = 0, 0, {}
         self._used, self._next_used = self._next_used, {}
         learned = self._spans is None or len(self._spans) != len(order)
         if learned:
