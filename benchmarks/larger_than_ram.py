@@ -20,13 +20,17 @@ What it does, in one run:
 4. For each implementation, in a fresh child process, starting from a cold page cache for the
    checkpoint's files: ``load_checkpoint_and_dispatch`` (time, bytes written: accelerate rewrites
    the offloaded weights as ``.dat`` files), then greedy ``generate`` of ``--tokens`` new tokens
-   after an 8-token prompt, recording tokens/s, time to first token, bytes read from storage
+   after an 8-token prompt -- right after load returns (``--start cold``: its CPU part is read by
+   the first forward, unless the load read it), or once the process's reads have stopped after
+   load (``settled``: what a user who generates a moment later sees) -- recording tokens/s, time
+   to first token, bytes read from storage
    (``/proc/self/io`` ``read_bytes``) per token and per second, the fraction of the time the storage
    device had reads in flight (``io_ticks`` of its sysfs stat), and the peak anonymous RSS
    (sampled ``/proc/self/statm``) counted from before the model was built, against the budget.
    The table also gives time to first token against two floors: the disk layers' bytes, and all
    of the checkpoint's bytes, each divided by the cold sequential read rate of step 3 (the CPU
-   part is zero-copy mapped too, so a cold first forward reads it from storage as well).
+   part is zero-copy mapped too, so a cold first forward reads it from storage as well), and
+   load + wait + TTFT against all of the bytes.
 5. Prints a markdown table, writes ``.bench-cache/larger_than_ram.json``, deletes the checkpoint
    (``--keep`` keeps it) and every offload folder.
 """
@@ -207,7 +211,22 @@ class _Clock:
         pass
 
 
-def child(impl: str, folder: Path, device_map: dict[str, str], tokens: int) -> dict[str, Any]:
+def _settle(poll: float = 0.25, quiet_polls: int = 2, limit: float = 600.0) -> tuple[float, int]:
+    """Wait until this process's ``read_bytes`` stop growing (``quiet_polls`` polls ``poll`` s apart).
+
+    An implementation whose load returns before its CPU part is read (bigmodel reads it on a
+    background thread) has then read it; one that reads it during load settles at once.
+    Returns (seconds waited, bytes read meanwhile)."""
+    t0, start = time.perf_counter(), _io()["read_bytes"]
+    last, quiet = start, 0
+    while quiet < quiet_polls and time.perf_counter() - t0 < limit:
+        time.sleep(poll)
+        now = _io()["read_bytes"]
+        quiet, last = (quiet + 1, now) if now == last else (0, now)
+    return time.perf_counter() - t0 - poll * quiet_polls, last - start
+
+
+def child(impl: str, folder: Path, device_map: dict[str, str], tokens: int, start: str = "cold") -> dict[str, Any]:
     ranges = disk_ranges(folder, device_map)
     import torch
     from transformers import LlamaForCausalLM
@@ -224,7 +243,7 @@ def child(impl: str, folder: Path, device_map: dict[str, str], tokens: int) -> d
     model.eval()
     offload = CACHE / "tmp" / f"ltr-offload-{impl}-{os.getpid()}"
     shutil.rmtree(offload, ignore_errors=True)
-    out: dict[str, Any] = {"impl": impl}
+    out: dict[str, Any] = {"impl": impl, "start": start}
     try:
         io0, t0 = _io(), time.perf_counter()
         lib.load_checkpoint_and_dispatch(model, str(folder / "model.safetensors.index.json"), device_map=device_map,
@@ -234,6 +253,9 @@ def child(impl: str, folder: Path, device_map: dict[str, str], tokens: int) -> d
                    load_written_bytes=io1["write_bytes"] - io0["write_bytes"], offload_folder_bytes=dir_bytes(offload))
         from . import pagecache
 
+        if start == "settled":  # the user generates once the load's background reads are done
+            out["settle_s"], out["settle_read_bytes"] = _settle()
+            io1 = _io()
         # Generation starts cold for every contender: the disk layers' bytes (shard ranges, and the
         # files an implementation wrote to its offload folder, flushed first) leave the page cache.
         written = [p for p in offload.rglob("*") if p.is_file()]
@@ -269,18 +291,19 @@ def child(impl: str, folder: Path, device_map: dict[str, str], tokens: int) -> d
 
 
 def run_child(impl: str, folder: Path, device_map: dict[str, str], tokens: int, timeout: float,
-              needs_bytes: int = 0) -> dict[str, Any]:
+              needs_bytes: int = 0, start: str = "cold") -> dict[str, Any]:
     from . import pagecache
 
     CACHE.mkdir(exist_ok=True)
     free = shutil.disk_usage(CACHE).free
     if free < needs_bytes:  # never fill a shared disk: a contender that rewrites the weights is not run
-        return {"impl": impl, "error": f"not run: it writes up to {needs_bytes / 1e9:.1f} GB (the offloaded "
+        return {"impl": impl, "start": start, "error": f"not run: it writes up to {needs_bytes / 1e9:.1f} GB (the offloaded "
                 f"weights as .dat files, plus its temporary state-dict offload) and {free / 1e9:.1f} GB are free"}
 
     pagecache.drop(pagecache.whole_files(folder.glob("*.safetensors")))  # every contender starts cold
-    spec = json.dumps({"impl": impl, "folder": str(folder), "device_map": device_map, "tokens": tokens})
-    log = CACHE / "logs" / f"larger_than_ram.{impl}.log"
+    spec = json.dumps({"impl": impl, "folder": str(folder), "device_map": device_map, "tokens": tokens,
+                       "start": start})
+    log = CACHE / "logs" / f"larger_than_ram.{impl}.{start}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
@@ -288,13 +311,13 @@ def run_child(impl: str, folder: Path, device_map: dict[str, str], tokens: int, 
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         log.write_text(str(err.stdout or "") + str(err.stderr or ""))
-        return {"impl": impl, "error": f"timeout after {timeout:.0f} s (log: {log})"}
+        return {"impl": impl, "start": start, "error": f"timeout after {timeout:.0f} s (log: {log})"}
     log.write_text(proc.stdout + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         why = "killed (SIGKILL: out of memory?)" if proc.returncode == -9 else f"exit code {proc.returncode}"
         tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
-        return {"impl": impl, "error": f"{why}: {tail} (log: {log})", "wall_s": time.perf_counter() - t0}
+        return {"impl": impl, "start": start, "error": f"{why}: {tail} (log: {log})", "wall_s": time.perf_counter() - t0}
     return json.loads(lines[-1])
 
 
@@ -314,7 +337,7 @@ def report(info: dict[str, Any], results: list[dict[str, Any]]) -> str:
         f" {info['cold_seq_s']:.1f} s / {info.get('cold_seq_s_after', float('nan')):.1f} s; the faster,"
         f" {seq_rate / gb:.2f} GB/s, is the cold read rate below. {info['tokens']} new tokens after an 8-token prompt.",
         "",
-        "| | " + " | ".join(r["impl"] for r in results) + " |",
+        "| | " + " | ".join(f"{r['impl']} ({r.get('start', 'cold')})" for r in results) + " |",
         "|---|" + "---:|" * len(results),
     ]
     if any("error" in r for r in results):
@@ -327,12 +350,17 @@ def report(info: dict[str, Any], results: list[dict[str, Any]]) -> str:
         _row("load_checkpoint_and_dispatch (s)", "{:.1f}", col("load_s")),
         _row("bytes written during load (GB; .dat rewrite)", "{:.2f}", col("load_written_bytes", gb)),
         _row("offload folder size (GB)", "{:.2f}", col("offload_folder_bytes", gb)),
+        _row("waited for the load's reads to stop (s)", "{:.1f}", col("settle_s")),
+        _row("read meanwhile (GB)", "{:.2f}", col("settle_read_bytes", gb)),
         _row("tokens/s (generate, whole)", "{:.3f}", col("tok_s")),
         _row("time to first token (s)", "{:.1f}", col("ttft_s")),
         _row("TTFT / (disk bytes ÷ cold read rate)", "{:.2f}",
              [None if r.get("ttft_s") is None else r["ttft_s"] / (info["disk_bytes"] / seq_rate) for r in results]),
         _row("TTFT / (all checkpoint bytes ÷ cold read rate of the disk layers)", "{:.2f}",
              [None if r.get("ttft_s") is None else r["ttft_s"] / (info["total_bytes"] / seq_rate) for r in results]),
+        _row("load + wait + TTFT / (all checkpoint bytes ÷ cold read rate)", "{:.2f}",
+             [None if r.get("ttft_s") is None else (r["load_s"] + r.get("settle_s", 0.0) + r["ttft_s"])
+              / (info["total_bytes"] / seq_rate) for r in results]),
         _row("decode tokens/s (after the first)", "{:.3f}", col("decode_tok_s")),
         _row("read from storage per token (GB)", "{:.2f}", col("read_bytes_per_token", gb)),
         _row("storage read rate during generate (GB/s)", "{:.2f}", col("gen_read_rate", gb)),
@@ -341,7 +369,7 @@ def report(info: dict[str, Any], results: list[dict[str, Any]]) -> str:
         _row("peak anon RSS (GB)", "{:.2f}", col("peak_anon_bytes", gb)),
         _row("peak anon RSS / (budget + one layer)", "{:.2f}",
              col("peak_anon_bytes", info["budget"] + info["layer_bytes"])),
-        _row("sum of generated token ids", "{}", col("tokens_sum")),
+        _row("sum of generated token ids", "{:.0f}", col("tokens_sum")),
     ]
     return "\n".join(lines)
 
@@ -356,6 +384,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--impls", nargs="+", default=["bigmodel", "accelerate"])
     ap.add_argument("--folder", default=str(CACHE / "larger-than-ram"))
+    ap.add_argument("--start", nargs="+", choices=["cold", "settled"], default=["cold", "settled"],
+                    help="generate right after load (cold), or once the load's reads stopped (settled)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per implementation (s)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -366,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
-        print(json.dumps(child(spec["impl"], Path(spec["folder"]), spec["device_map"], spec["tokens"])), flush=True)
+        print(json.dumps(child(spec["impl"], Path(spec["folder"]), spec["device_map"], spec["tokens"],
+                               spec.get("start", "cold"))), flush=True)
         return 0
     from . import pagecache
 
@@ -393,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for impl in args.impls:
             writes = 0 if impl == "bigmodel" else disk_bytes + cpu_bytes + MARGIN  # accelerate rewrites as .dat
-            results.append(run_child(impl, folder, device_map, args.tokens, args.timeout, writes))
-            print(f"[larger_than_ram] {impl}: {results[-1]}", file=sys.stderr, flush=True)
+            for start in args.start:
+                results.append(run_child(impl, folder, device_map, args.tokens, args.timeout, writes, start))
+                print(f"[larger_than_ram] {impl} ({start}): {results[-1]}", file=sys.stderr, flush=True)
         # The storage's speed drifts (0.47 to 1.5 GB/s within an hour here): read again after the runs and
         # judge against the faster of the two reads (the stricter floor).
         after_s, _ = pagecache.read_cold(ranges)
