@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from _fake_accelerator import drain_workers
 from _page_cache import drop
 from safetensors.torch import save_file
 from torch import nn
@@ -79,6 +80,23 @@ def test_readahead_of_a_disk_offloaded_model_starts_when_its_weights_are_cold(tm
             drop(str(tmp_path / "offload" / name))
         assert torch.allclose(model(x), expected, atol=1e-6)
         assert prefetcher.readahead.active  # cold at the forward's start: reading ahead
+
+
+def test_reads_in_flight_follow_the_largest_module(tmp_path, monkeypatch):
+    """A sixth of the largest module read ahead, from IN_FLIGHT_BYTES to IN_FLIGHT_MAX (64 and 128 MB):
+    810 MB decoder layers read faster 128 MB deep, ~100 MB layers 64 MB deep."""
+    assert readahead.in_flight_for(100 * 10**6) == 64 << 20
+    assert readahead.in_flight_for(600 << 20) == 100 << 20
+    assert readahead.in_flight_for(810 * 10**6) == readahead.in_flight_for(8 << 30) == 128 << 20
+    monkeypatch.setattr(readahead, "IN_FLIGHT_BYTES", 64 << 10)
+    monkeypatch.setattr(readahead, "IN_FLIGHT_MAX", 4 << 20)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 256))  # 4 MiB + 4 KiB, then 1 MiB + 1 KiB
+    disk_offload(model, tmp_path / "offload", execution_device="cpu")
+    with torch.no_grad():
+        model(torch.randn(1, 1024))
+    drain_workers()  # its reads ahead end here, not in the next test
+    reads = model[0]._hf_hook.prefetcher.readahead._reads
+    assert (4 << 20) // 6 <= reads.window <= ((4 << 20) + 2 * 4096) // 6  # the larger module's bytes / 6
 
 
 def test_readahead_can_be_turned_off(monkeypatch):
@@ -175,3 +193,44 @@ def test_in_order_reads_of_a_module_released_meanwhile_stop(tmp_path, monkeypatc
     reads.read(spans[:1], keep=mapped, used=threading.Event())  # another module's reads go on, and are waited for
     reads.wait()
     assert asked[2:] == readahead.pieces(spans[0]) and len(touched) == len(readahead.pieces(spans[0]))
+
+
+def test_no_piece_of_a_module_is_asked_for_once_its_release_began(tmp_path, monkeypatch):
+    """The module runs and its release (on another thread) begins while the reading thread waits for a
+    piece to arrive before asking for the next: that next piece is not asked for after the release
+    (it was, the check of ``used`` coming before the wait: a race the streaming test met under load)."""
+    drain_workers()  # no read ahead of an earlier test's model asks for pieces meanwhile
+    mapped, _ = _mapped(tmp_path, mib=40)
+    spans = readahead.file_spans([mapped], readahead.file_mappings())
+    pieces = [piece for span in spans for piece in readahead.pieces(span)]
+    assert len(pieces) >= 4
+    reads, used, events = readahead.InOrder(window=pieces[0][1]), threading.Event(), []
+    will_need, release, arrived = readahead.will_need, readahead.release, readahead.InOrder._arrived
+
+    def asking(spans):
+        spans = list(spans)
+        events.extend(("need", span) for span in spans)
+        will_need(spans)
+
+    def releasing(spans):
+        spans = list(spans)
+        events.extend(("release", span) for span in spans)
+        release(spans)
+
+    def arriving(self):
+        if not used.is_set():  # the module ran: its release begins on another thread
+            used.set()
+            thread = threading.Thread(target=readahead._release, args=(spans, mapped), kwargs={"reads": reads})
+            thread.start()
+            thread.join()
+        arrived(self)
+
+    monkeypatch.setattr(readahead, "will_need", asking)
+    monkeypatch.setattr(readahead, "release", releasing)
+    monkeypatch.setattr(readahead.InOrder, "_arrived", arriving)
+    reads.read(spans, keep=mapped, used=used)
+    reads.wait()
+    kinds = [kind for kind, _ in events]
+    assert events[0] == ("need", pieces[0]) and "release" in kinds
+    assert "need" not in kinds[kinds.index("release"):], events
+    assert torch.equal(mapped[:3], torch.arange(3, dtype=torch.float32))  # values unchanged, read again

@@ -5,7 +5,7 @@ are memory-mapped views.  Read through page faults, a cold view is read in small
 one-at-a-time requests.  :class:`ReadAhead` instead tells the kernel, for exactly the byte
 ranges of the modules about to run, that they are needed (``madvise(MADV_WILLNEED)``, one call
 per ``read_ahead_kb`` of the device, see :func:`advice_bytes`), in execution order with at most
-``IN_FLIGHT_BYTES`` asked for and not arrived (:class:`InOrder`), up to ``window`` bytes ahead of
+64-128 MB asked for and not arrived (:class:`InOrder`, :func:`in_flight_for`), up to ``window`` bytes ahead of
 the module running now (page cache used by reads ahead stays bounded); from the model's forward
 start on (:meth:`ReadAhead.start`), so the first offloaded module is read while the ones before
 it compute.  When the offloaded bytes exceed what the page cache can hold, a module's ranges are
@@ -70,6 +70,7 @@ PROBES = 8  # modules whose first pages are checked at the start of each forward
 RETAIN_FRACTION = 0.5  # of the available memory, for the prefix kept cached between forwards
 STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory: release after use
 IN_FLIGHT_BYTES = 64 << 20  # bytes asked for and not yet arrived, at most (InOrder)
+IN_FLIGHT_MAX = 128 << 20  # the same for modules of more than 6 x 128 MB (see in_flight_for)
 
 def _executor() -> ThreadPoolExecutor:
     return worker("bigmodel-readahead")
@@ -79,6 +80,19 @@ def _releaser() -> ThreadPoolExecutor:
     """The thread that releases used modules (a ``MADV_PAGEOUT`` of a decoder layer takes a third of a
     second: on the reading thread, the disk would sit idle meanwhile)."""
     return worker("bigmodel-release")
+
+
+def in_flight_for(largest: int) -> int:
+    """Bytes :class:`InOrder` keeps asked for and not yet arrived when the largest module read ahead has
+    ``largest`` bytes: a sixth of it, from ``IN_FLIGHT_BYTES`` (64 MB) to ``IN_FLIGHT_MAX`` (128 MB).
+
+    Measured here (BENCHMARKS.md, session 8): with 810 MB decoder layers, 128 MB in flight read the
+    first token's 24 GB from storage at a median 0.94x the time of 64 MB (the disk had reads in
+    flight 0.96-0.97 of the time against 0.92-0.95) and decoded as fast, where 256 MB slowed decode;
+    with ~100 MB layers 64 MB stays best (cold forwards 1.19x the cold read against 1.33x at 128 MB):
+    with modules not much larger than the window, a deeper queue brings them in out of order.
+    """
+    return min(IN_FLIGHT_MAX, max(IN_FLIGHT_BYTES, largest // 6))
 
 
 def will_need(spans: Iterable[Span]) -> None:
@@ -115,6 +129,10 @@ class InOrder:
 
     def __init__(self, window: int = IN_FLIGHT_BYTES) -> None:
         self.window = window
+        # Held while a piece's ``used`` is checked and the piece asked for or touched: a release passes
+        # through it after setting ``used`` (:meth:`settled`), so no piece of a released module is asked
+        # for or read back once its release has begun.
+        self.asking = threading.Lock()
         self._in_flight: collections.deque[tuple[Span, object, threading.Event | None]] = collections.deque()
         self._waiting = 0
 
@@ -134,7 +152,10 @@ class InOrder:
                     return
                 while self._in_flight and self._waiting + piece[1] > self.window:
                     self._arrived()
-                will_need([piece])
+                with self.asking:
+                    if used is not None and used.is_set():
+                        return
+                    will_need([piece])
                 self._in_flight.append((piece, keep, used))
                 self._waiting += piece[1]
 
@@ -146,9 +167,16 @@ class InOrder:
     def _arrived(self) -> None:
         (address, length), _, used = self._in_flight.popleft()
         self._waiting -= length
-        if used is None or not used.is_set():
-            view = torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
-            view[::_PAGE].sum()
+        with self.asking:
+            if used is None or not used.is_set():
+                view = torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
+                view[::_PAGE].sum()
+
+    def settled(self) -> None:
+        """Return once no piece is being asked for or touched: called after setting a module's ``used``,
+        every later check of it sees it set."""
+        with self.asking:
+            pass
 
 
 class ReadAhead:
@@ -246,7 +274,7 @@ class ReadAhead:
         previous = index - 1
         if self.streaming and previous >= 0 and not self._kept[previous]:
             self._used.pop(previous, threading.Event()).set()  # its reads still queued are dropped
-            job = (_release, self._spans[previous], self._values)  # type: ignore[index]
+            job = (functools.partial(_release, reads=self._reads), self._spans[previous], self._values)  # type: ignore[index]
             self._releasing[previous] = _releaser().submit(_run, [job])
 
     def _read(self, position: int, pass_: dict[int, threading.Event] | None = None) -> Callable:
@@ -294,6 +322,7 @@ class ReadAhead:
         with_bytes = [i for i, size in enumerate(self._bytes) if size]
         self._probes = [self._spans[i][0] for i in with_bytes[:: -(-len(with_bytes) // PROBES) or 1]]  # <= PROBES modules
         self.window = max(self.window, max(self._bytes, default=0))
+        self._reads.window = in_flight_for(max(self._bytes, default=0))  # an int: the reading thread sees old or new
 
     def _plan(self) -> None:
         available = self.available if self.available is not None else available_memory()
@@ -339,7 +368,9 @@ def spread_kept(sizes: Sequence[int], budget: float) -> list[bool]:
     return kept
 
 
-def _release(spans: list[Span], keep: object) -> None:
+def _release(spans: list[Span], keep: object, reads: InOrder | None = None) -> None:
+    if reads is not None:
+        reads.settled()  # a piece of these spans checked before ``used`` was set is asked for or touched by now
     release(spans)  # ``keep`` (the views) holds the mappings until the job has run
 
 
