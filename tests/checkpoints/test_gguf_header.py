@@ -19,11 +19,11 @@ import torch
 pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from _gguf_files import tiny_llama, write_tiny_gguf  # noqa: E402
+from _gguf_files import tiny_llama, write_tiny_gguf
 
-from bigmodel.checkpoints.gguf import open_reader  # noqa: E402
-from bigmodel.checkpoints.gguf_meta import config_from_gguf  # noqa: E402
-from bigmodel.cli.main import main  # noqa: E402
+from bigmodel.checkpoints.gguf import open_reader
+from bigmodel.checkpoints.gguf_meta import config_from_gguf
+from bigmodel.cli.main import main
 
 CORRUPTED = r"GGUF file '.*{name}' is truncated or corrupted \({detail}\); download it again\.$"
 

@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bigmodel.cli.main import main  # noqa: E402
-from bigmodel.integrations.hf import empty_model, load_config  # noqa: E402
-from bigmodel.integrations.hf_models import check_config_sizes  # noqa: E402
+from bigmodel.cli.main import main
+from bigmodel.integrations.hf import empty_model, load_config
+from bigmodel.integrations.hf_models import check_config_sizes
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}  # fmt: skip

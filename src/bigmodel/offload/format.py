@@ -29,7 +29,14 @@ import torch
 
 from ..checkpoints.files import SafetensorsFile
 from ..core.file_maps import map_file, read_bytes
-from .subclass_format import PART_SEP, SUBCLASS_KEY, is_subclass_entry, part_files, part_name, rebuild
+from .subclass_format import (
+    PART_SEP,
+    SUBCLASS_KEY,
+    is_subclass_entry,
+    part_files,
+    part_name,
+    rebuild,
+)
 
 INDEX_NAME = "index.json"
 # A quantized weight's parts besides its data: ``<name>@<part>.dat`` (see bigmodel.offload.quantized_store).
