@@ -77,3 +77,39 @@ def test_parent_folders_the_block_created_go_when_empty(tmp_path: Path) -> None:
         (folder / "w.dat").write_bytes(b"0")
         raise RuntimeError("the load failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+
+USER_INDEX = b'["a user\'s index.json, not an offload index"]\n'
+
+
+def test_a_users_index_that_nothing_changed_is_not_written_again(tmp_path: Path, monkeypatch) -> None:
+    # Before: undo wrote the same bytes back in place, and a write that stopped halfway (a full disk)
+    # left the user's file cut.
+    import errno
+
+    folder = tmp_path / "off"
+    folder.mkdir()
+    (folder / "index.json").write_bytes(USER_INDEX)
+
+    def half_then_full(self: Path, data: bytes) -> int:
+        with open(self, "wb") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", half_then_full)
+    with pytest.raises(ValueError, match="refused"), OffloadFolderUndo(folder):
+        raise ValueError("refused: not an offload index")
+    monkeypatch.undo()
+    assert (folder / "index.json").read_bytes() == USER_INDEX
+
+
+def test_a_users_index_the_block_changed_gets_its_bytes_back(tmp_path: Path) -> None:
+    folder = tmp_path / "off"
+    folder.mkdir()
+    (folder / "index.json").write_bytes(USER_INDEX)
+    with pytest.raises(RuntimeError), OffloadFolderUndo(folder):
+        (folder / "index.json").write_bytes(b"{}")
+        raise RuntimeError("the load failed")
+    assert (folder / "index.json").read_bytes() == USER_INDEX
+    assert sorted(p.name for p in folder.iterdir()) == ["index.json"]  # no temporary file left

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import struct
 import sys
@@ -34,6 +35,7 @@ from torch import nn
 
 from .access import check_readable
 from .files import TensorInfo
+from .gguf_header import GGUFHeader, corrupted_message, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +102,10 @@ def open_reader(path: str | os.PathLike) -> Any:
     Raises:
         FileNotFoundError: no such file.
         PermissionError / OSError: the file cannot be opened (names it and the fix).
-        ValueError: not a GGUF file; a tensor with a quantization type gguf cannot read, or
-            whose bytes run past the end of the file (names the tensor and the fix).
+        ValueError: not a GGUF file (names what it starts with), a header that runs past the end
+            of the file (names the counts it declares and the file's size), a repeated metadata key;
+            a tensor with a quantization type gguf cannot read, or whose bytes run past the end of
+            the file (names the tensor and the fix).
     """
     gguf = _require_gguf()
     path = Path(file_key(path)[0])
@@ -133,17 +137,25 @@ def open_reader(path: str | os.PathLike) -> Any:
                 _check_tensor_field(gguf, path, len(self.data), start_offs, field, supported)
             super()._build_tensors(start_offs, fields)
 
+    header = read_header(path)  # not GGUF at all, or cut inside the first 24 bytes: said so
     try:
         return CheckedReader(str(path))
-    except (ValueError, IndexError, struct.error) as error:  # gguf reads past a truncated end as empty views
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as error:
         if str(path) in str(error):
             raise
-        raise ValueError(corrupted_message(path, str(error))) from error
+        raise ValueError(corrupted_message(path, _failure(error, header))) from error
 
 
-def corrupted_message(path: str | os.PathLike, detail: str) -> str:
-    """The one message for a GGUF file that cannot be read as a whole: names the file, the detail and the fix."""
-    return f"GGUF file {str(path)!r} is truncated or corrupted ({detail}); download it again."
+def _failure(error: BaseException, header: GGUFHeader) -> str:
+    """What gguf's reader failed on, in words: it reads past a truncated end as empty views (IndexError)."""
+    if isinstance(error, (IndexError, struct.error)):
+        return (
+            f"its header declares {header.tensors:,} tensors and {header.entries:,} metadata entries, but the file "
+            f"ends at byte {header.size:,} before they are all described"
+        )
+    if isinstance(error, KeyError):  # gguf: "Duplicate <key> already in list at offset <n>"
+        return f"{error.args[0] if error.args else error}: a metadata key appears twice"
+    return str(error)
 
 
 def check_file(path: str | os.PathLike) -> None:
@@ -192,7 +204,7 @@ def _check_tensor_field(
             "(`pip install -U gguf`) or convert the file with a type it supports."
         )
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    end = start + int(offset[0]) + int(np.prod(dims.astype(np.int64))) * size // block
+    end = start + int(offset[0]) + math.prod(int(d) for d in dims) * size // block  # Python ints: no overflow
     if end > file_size:
         raise ValueError(
             corrupted_message(path, f"tensor {name!r} needs bytes up to {end:,} but the file has {file_size:,}")

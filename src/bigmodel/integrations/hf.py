@@ -36,6 +36,7 @@ from ..core.devices import normalize_device
 from ..core.sizes import compute_module_sizes, get_max_layer_size, to_dtype
 from .hf_models import (
     build_on_meta,
+    check_config_file,
     declared_dtype,
     is_weights_file,
     model_class_for,
@@ -104,13 +105,14 @@ def load_config(path: str | os.PathLike) -> Any:
 
     Raises:
         FileNotFoundError: no config.json (see :func:`resolve_model_folder`).
-        ValueError: the config cannot be parsed by transformers: invalid or too deeply nested
-            JSON, unknown model type, a field of the wrong type, a dtype torch lacks (names the file).
+        ValueError: a size no model has (``num_hidden_layers: -1``; names the key), or a config transformers cannot
+            parse: bad or too deep JSON, unknown model type, a field of a wrong type, an unknown dtype (names the file).
     """
     transformers = require_transformers()
     folder = resolve_model_folder(path)
     if is_gguf(folder):
         return config_from_gguf(folder)
+    check_config_file(folder if folder.is_file() else folder / "config.json")  # sizes transformers divides by
     try:
         if folder.is_file():
             data = json.loads(folder.read_text())
@@ -136,8 +138,7 @@ def _hub_config_errors() -> tuple[type[BaseException], ...]:
 
 def _brief(error: BaseException, limit: int = 160) -> str:
     """The first sentence of an error message from a dependency, on one line."""
-    text = " ".join(str(error).split())
-    first = text.split(". ")[0]
+    first = " ".join(str(error).split()).split(". ")[0]
     return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
@@ -369,9 +370,8 @@ def _attach_generation_config(model: nn.Module, folder: Path) -> None:
     if is_gguf(folder):
         model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
         return
-    if not (folder / "generation_config.json").is_file():
-        return
-    model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
 
 
 def has_tokenizer(path: str | os.PathLike) -> bool:

@@ -13,8 +13,9 @@ resolves it.  transformers is imported by the callers (``bigmodel.integrations.h
 from __future__ import annotations
 
 import importlib
+import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,22 @@ from ..core.sizes import to_dtype
 logger = logging.getLogger(__name__)
 
 _WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # files of tensors, never a config
+# Config keys (transformers' names and the aliases configs store them under) that size the modules built
+# from them, by the least value a model can be built with: heads are divided by, layers and sizes may be 0.
+_LAYER_COUNTS = frozenset({
+    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
+    "num_encoder_layers", "num_decoder_layers",
+})  # fmt: skip
+_HEAD_COUNTS = frozenset({
+    "num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "encoder_attention_heads",
+    "decoder_attention_heads",
+})  # fmt: skip
+_SIZES = frozenset({
+    "hidden_size", "intermediate_size", "vocab_size", "head_dim", "n_embd", "n_inner", "d_model", "d_ff", "d_kv",
+    "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
+})  # fmt: skip
+_MAX_LAYERS = 100_000  # more than any model has by far (hundreds); building them on meta would take minutes
+_MAX_SIZE = 2**31 - 1  # a larger dimension overflows torch's shapes once multiplied; none comes near
 
 
 def is_weights_file(name: str) -> bool:
@@ -49,6 +66,73 @@ def weights_file_folder(file: Path) -> Path:
         )
     logger.info("%s is a %s weights file; using the model folder holding it: %s", file.name, kind, file.parent)
     return file.parent
+
+
+def check_config_file(path: Path) -> None:
+    """Check the sizes in the JSON config file ``path`` (see :func:`check_config_sizes`) before transformers reads it.
+
+    transformers divides by some sizes while reading a config (``num_attention_heads: 0`` is a
+    ``ZeroDivisionError``), so they are checked in the file.  A file that is not a JSON object is
+    left to transformers, whose error is reported as it is.
+
+    Raises:
+        ValueError: a size no model can be built from (names the key, its value, the file and the fix).
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return
+    if isinstance(data, dict):
+        check_config_sizes(data, repr(str(path)))
+
+
+def check_config_sizes(config: Mapping[str, Any], source: str) -> None:
+    """Refuse a config whose sizes no model can be built from, before anything is built from it.
+
+    Integer counts of layers (``num_hidden_layers``, ``n_layer``...) must lie from 0 to 100,000;
+    head counts (``num_attention_heads``...) from 1, other sizes (``hidden_size``, ``vocab_size``...)
+    from 0, to 2**31 - 1.  Values of other types (``null``, ``"x"``, ``1.5``) are left to
+    transformers, whose strict configs name them; a list (per-layer sizes) is checked item by
+    item; nested configs (``text_config``...) are checked too.
+
+    Args:
+        config: the config as a dict: ``config.json``'s content or ``config.to_dict()``.
+        source: where it came from (a quoted path), for the message.
+
+    Raises:
+        ValueError: names the key (dotted inside a nested config), its value, ``source`` and the fix.
+    """
+    for key, value, (what, least, most) in _sizes(config):
+        if type(value) is not int or least <= value <= most:  # other types: transformers' checks name them
+            continue
+        raise ValueError(
+            f"In {source}, {key} is {value!r}, but a {what} must be a whole number from {least} to {most:,}; "
+            f"correct {key} in that config (the model's published config.json has the value it was trained with)."
+        )
+
+
+def _rule(key: str) -> tuple[str, int, int] | None:
+    """``(what, least, most)`` for a size key of a config, None for any other key."""
+    if key in _LAYER_COUNTS:
+        return "number of layers", 0, _MAX_LAYERS
+    if key in _HEAD_COUNTS:
+        return "number of heads", 1, _MAX_SIZE
+    return ("size", 0, _MAX_SIZE) if key in _SIZES else None
+
+
+def _sizes(config: Mapping[str, Any]) -> Iterator[tuple[str, Any, tuple[str, int, int]]]:
+    """``(dotted key, value, rule)`` for each size of ``config`` and of the configs nested in it (no recursion)."""
+    stack: list[tuple[str, Mapping[str, Any]]] = [("", config)]
+    while stack:
+        prefix, mapping = stack.pop()
+        for key, value in mapping.items():
+            name, rule = f"{prefix}{key}", _rule(key)
+            if isinstance(value, Mapping):
+                stack.append((f"{name}.", value))
+            elif rule is not None and isinstance(value, list):
+                yield from ((f"{name}[{i}]", item, rule) for i, item in enumerate(value))
+            elif rule is not None:
+                yield name, value, rule
 
 
 def declared_dtype(config: Any) -> torch.dtype | None:
@@ -166,10 +250,12 @@ def build_on_meta(cls: type, config: Any, dtype: torch.dtype, source: str = "the
     that dtype are float32 (see :func:`keep_in_fp32`).
 
     Raises:
-        ValueError: the class cannot be built from this config (names both).
+        ValueError: a size in the config no model can be built from (see :func:`check_config_sizes`), or
+            the class cannot be built from this config (names both).
     """
     transformers = importlib.import_module("transformers")
     is_model = issubclass(cls, transformers.PreTrainedModel)
+    check_config_sizes(config.to_dict() if hasattr(config, "to_dict") else {}, source)
     try:
         with init_empty_weights(include_buffers=False):  # buffers real, whatever ACCELERATE_INIT_INCLUDE_BUFFERS says
             model = cls._from_config(config, dtype=dtype) if is_model else cls.from_config(config, dtype=dtype)

@@ -19,6 +19,7 @@ zero-copy view of its file; elsewhere it is read into memory.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +29,14 @@ import torch
 
 from ..checkpoints.files import SafetensorsFile
 from ..core.file_maps import map_file, read_bytes
-from .subclass_format import PART_SEP, is_subclass_entry, part_files, part_name, rebuild
+from .subclass_format import (
+    PART_SEP,
+    SUBCLASS_KEY,
+    is_subclass_entry,
+    part_files,
+    part_name,
+    rebuild,
+)
 
 INDEX_NAME = "index.json"
 # A quantized weight's parts besides its data: ``<name>@<part>.dat`` (see bigmodel.offload.quantized_store).
@@ -40,16 +48,88 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: str, where: str) -> torch.dtype:
-    """``"bfloat16"`` → ``torch.bfloat16``.
+class OffloadIndexError(ValueError, TypeError):
+    """An offload index entry that cannot describe a tensor: its message names the entry, the index, the bad
+    value and the fix.  Also a ``TypeError``: accelerate's reader fails on such entries with either type."""
+
+
+_FIX = "the index is damaged or was edited by hand: correct that entry, or delete the offload folder and offload again."
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a damaged entry can hold anything)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_dtype(name: object, where: str) -> torch.dtype:
+    """``"bfloat16"`` → ``torch.bfloat16`` (any torch dtype name, with or without ``torch.``).
 
     Raises:
-        ValueError: not a torch dtype name (names ``where`` the name was found).
+        OffloadIndexError: not a torch dtype name (names ``where`` the name was found, and the fix).
     """
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where}: {name!r} is not a torch dtype name (e.g. 'float16', 'bfloat16').")
+        raise OffloadIndexError(
+            f"{where}: dtype {_shown(name)} is not a torch dtype name (e.g. 'float32', 'bfloat16', 'int64', "
+            f"'bool'); {_FIX}"
+        )
     return dtype
+
+
+def parse_shape(shape: object, where: str) -> tuple[int, ...]:
+    """``[4096, 4096]`` → ``(4096, 4096)``; ``[]`` is a scalar's shape.
+
+    Raises:
+        OffloadIndexError: not a list of non-negative integers (a float, a string, a bool, a negative
+            number, a missing shape), naming ``where`` and the value.
+    """
+    valid = isinstance(shape, (list, tuple)) and all(
+        isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 0 for d in shape
+    )
+    if not valid:
+        raise OffloadIndexError(
+            f"{where}: shape {_shown(shape)} is not a list of non-negative integers (e.g. [4096, 4096], [] for a "
+            f"scalar); {_FIX}"
+        )
+    return tuple(int(d) for d in shape)
+
+
+def check_offload_index(index: Mapping[str, object], where: str) -> None:
+    """Check every entry of an offload index before any is read (no file is opened).
+
+    Each entry must be a JSON object with a torch dtype name as ``dtype`` and a list of non-negative
+    integers as ``shape``, and so must each part of a quantized or subclass entry; a pointer into a
+    safetensors file may omit both (transformers writes no shape, accelerate's reader needs neither).
+
+    Args:
+        index: tensor name → entry, as :func:`load_offload_index` returns it.
+        where: the index, for messages: its path (quoted), or how it was passed.
+
+    Raises:
+        OffloadIndexError: an entry is not an object, or its dtype or shape is missing or invalid (names
+            ``where``, the key, the bad value and the fix).
+    """
+    for key, entry in index.items():
+        label = f"Offload index {where}, entry {key!r}"
+        if not isinstance(entry, Mapping):
+            raise OffloadIndexError(f"{label} is {_shown(entry)}, not an object with \"dtype\" and \"shape\"; {_FIX}")
+        _check_layout(entry, label, pointer="safetensors_file" in entry)
+        for kind in ("quantization", SUBCLASS_KEY):
+            spec = entry.get(kind)
+            parts = spec.get("parts") if isinstance(spec, Mapping) else None
+            for part, info in parts.items() if isinstance(parts, Mapping) else ():
+                if not isinstance(info, Mapping):
+                    raise OffloadIndexError(f"{label}, {kind} part {part!r} is {_shown(info)}, not an object; {_FIX}")
+                _check_layout(info, f"{label}, {kind} part {part!r}", pointer=False)
+
+
+def _check_layout(entry: Mapping[str, Any], label: str, *, pointer: bool) -> None:
+    """Parse ``entry``'s dtype and shape (a safetensors ``pointer`` only those it has)."""
+    if not pointer or "dtype" in entry:
+        parse_dtype(entry.get("dtype"), label)
+    if not pointer or "shape" in entry:
+        parse_shape(entry.get("shape"), label)
 
 
 def dat_path(folder: str | os.PathLike, name: str, create: bool = False) -> Path:
@@ -97,7 +177,8 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
         The tensor on CPU (writable; writes are private to this process and never reach the file).
 
     Raises:
-        ValueError: the entry is malformed or the file size does not match dtype × shape.
+        OffloadIndexError: the entry's dtype or shape is missing or invalid (a ``ValueError``; names the file).
+        ValueError: the file size does not match dtype × shape.
         FileNotFoundError: the file is missing.
     """
     if "safetensors_file" in weight_info:
@@ -124,8 +205,8 @@ def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: Mapping[s
 
 def _layout(path: Path, weight_info: Mapping[str, Any]) -> tuple[torch.dtype, tuple[int, ...], int]:
     """A plain entry's dtype, shape and byte count (raises ValueError naming ``path`` for a bad dtype)."""
-    dtype = parse_dtype(weight_info.get("dtype", ""), f"offload entry for {str(path)!r}")
-    shape = tuple(int(d) for d in weight_info.get("shape", ()))
+    dtype = parse_dtype(weight_info.get("dtype"), f"Offload entry for {str(path)!r}")
+    shape = parse_shape(weight_info.get("shape"), f"Offload entry for {str(path)!r}")
     return dtype, shape, dtype.itemsize * int(torch.Size(shape).numel())
 
 

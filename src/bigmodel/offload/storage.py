@@ -33,6 +33,7 @@ from .folder_lock import folder_lock
 from .format import (
     INDEX_NAME,
     _read_safetensors_entry,
+    check_offload_index,
     dat_path,
     dtype_name,
     load_offload_index,
@@ -216,6 +217,9 @@ class OffloadedWeightsLoader(Mapping):
 
     Raises:
         FileNotFoundError: ``index`` is None and ``save_folder`` has no ``index.json`` (names the file).
+        OffloadIndexError: an entry of the index is not an object, or its dtype or shape is invalid (a
+            ``ValueError``; names the key, the index file, the value and the fix; see
+            :func:`bigmodel.offload.format.check_offload_index`).  No entry is read before this check.
         ValueError: ``index`` is given without ``save_folder`` while it holds ``.dat`` entries.
     """
 
@@ -239,6 +243,8 @@ class OffloadedWeightsLoader(Mapping):
                 )
             index = load_offload_index(self._folder)
         self.index = dict(index or {})
+        where = "passed as index=" if self._folder is None else repr(str(self._folder / INDEX_NAME))
+        check_offload_index(self.index, where)  # before any entry is read
         if self._folder is None and any("safetensors_file" not in e for e in self.index.values()):
             raise ValueError("OffloadedWeightsLoader: the index has .dat entries; pass save_folder= to locate them.")
         self.device = device

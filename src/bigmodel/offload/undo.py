@@ -10,7 +10,7 @@ from pathlib import Path
 from types import TracebackType
 
 from .format import INDEX_NAME, dat_path, entry_files
-from .writer import write_index
+from .writer import atomic_write, write_index
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class OffloadFolderUndo:
         except ValueError:
             previous = None
         if not isinstance(previous, dict):  # not an index bigmodel can read: its bytes as they were
-            index.write_bytes(self._index or b"")
+            if not index.is_file() or index.read_bytes() != self._index:  # never rewritten in place: a failed
+                atomic_write(index, lambda f: f.write(self._index or b""))  # write would cut the user's file
             return
         kept = {name: entry for name, entry in previous.items() if not self._replaced(folder, name, entry)}
         if kept == previous and index.is_file() and index.read_bytes() == self._index:
