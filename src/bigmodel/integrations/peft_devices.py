@@ -13,7 +13,8 @@ Merging (``merge_and_unload``, ``unload``, ``merge_adapter``) runs each layer in
 ``onload_layer``, which looks up the safetensors file of the first entry of a disk-offloaded base
 layer's offload index, for a result it never uses (its weights map is a ``dict`` by the time it
 would be).  An index entry of a ``.dat`` file names no such file (a ``.bin`` checkpoint, a dtype
-conversion): ``KeyError: 'safetensors_file'``, with accelerate as well.  While
+conversion): ``KeyError: 'safetensors_file'``, with accelerate as well; an ``offload_quantization``
+weights map has no index (``AttributeError``).  While
 :func:`~bigmodel.use_bigmodel` is on, such a layer goes through :func:`onload_without_file_lookup`,
 peft's steps without the lookup; every other layer through peft's own ``onload_layer``.
 
@@ -28,7 +29,7 @@ import functools
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -66,14 +67,17 @@ def _offloading(module: nn.Module | None) -> bool:
 
 def names_a_file(layer: nn.Module) -> bool:
     """False where peft's ``onload_layer`` would look up a safetensors file that the disk offload index of
-    ``layer.base_layer`` does not name (the index entry of its first tensor is a ``.dat`` file's)."""
+    ``layer.base_layer`` does not name (the index entry of its first tensor is a ``.dat`` file's), or the
+    weights map's dataset has no index at all (``offload_quantization``)."""
     base = getattr(layer, "base_layer", None)
     if not _offloading(base):
         return True
     dataset = getattr(base._hf_hook.weights_map, "dataset", None)
+    if dataset is None:
+        return True  # peft looks nothing up
     index = getattr(dataset, "index", None)
-    if not isinstance(index, dict):
-        return True
+    if not isinstance(index, Mapping):
+        return False
     first = next(iter(dataset), None)  # peft: next(iter(dict(dataset).keys()))
     return first is None or "safetensors_file" in (index.get(first) or {})
 
