@@ -47,3 +47,32 @@ def copy_without_tokenizer(source: Path, target: Path) -> Path:
     for name in ("config.json", "model.safetensors"):
         shutil.copy(source / name, target / name)
     return target
+
+
+def hub_snapshot(cache: Path, source: Path, repo: str = "models--tiny-org--tiny-llama") -> Path:
+    """Lay ``source``'s files out as ``huggingface_hub`` caches a repo: ``cache/<repo>/blobs/<sha256>``, the
+    snapshot's files relative links ``../../blobs/<sha256>``, ``refs/main``; returns the snapshot folder."""
+    import hashlib
+    import os
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / repo
+    snapshot = root / "snapshots" / revision
+    for folder in (root / "blobs", snapshot, root / "refs"):
+        folder.mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(revision)
+    for path in sorted(p for p in source.iterdir() if p.is_file()):
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        (root / "blobs" / digest).write_bytes(data)
+        os.symlink(f"../../blobs/{digest}", snapshot / path.name)
+    return snapshot
+
+
+def as_torch_bin(folder: Path) -> Path:
+    """Replace ``folder``'s ``model.safetensors`` by the same tensors in ``pytorch_model.bin``."""
+    from safetensors.torch import load_file
+
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    return folder

@@ -123,3 +123,58 @@ def test_peft_imported_after_use_bigmodel_creates_adapters_on_the_execution_devi
     done = subprocess.run([sys.executable, "-c", LAZY_PEFT], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_merge_and_unload_of_layers_offloaded_to_dat_files(tmp_path: Path) -> None:
+    """A ``.bin`` checkpoint in a hub cache: the disk layers are ``.dat`` files of the offload folder, whose
+    index entries name no safetensors file.  peft's ``onload_layer`` looked one up (``KeyError:
+    'safetensors_file'``, with accelerate too); merging gives the plain model's results."""
+    from _tiny_hf import TWO_LAYERS_ON_DISK, as_torch_bin, hub_snapshot
+
+    from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
+
+    snapshot = hub_snapshot(tmp_path / "hub", as_torch_bin(write_tiny_llama(tmp_path / "src", tokenizer=False)))
+    blobs = {p.name: p.read_bytes() for p in (snapshot.parents[1] / "blobs").iterdir()}
+    config = peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4, init_lora_weights=False)
+    whole = transformers.AutoModelForCausalLM.from_pretrained(str(snapshot), dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    reference = peft.get_peft_model(whole, config).eval()
+    with use_bigmodel():
+        with init_empty_weights():
+            empty = transformers.AutoModelForCausalLM.from_config(whole.config, dtype=torch.float32).eval()
+        base = load_checkpoint_and_dispatch(empty, str(snapshot), TWO_LAYERS_ON_DISK, offload_folder=str(tmp_path / "off"))
+        assert (tmp_path / "off" / "model.layers.1.self_attn.q_proj.weight.dat").is_file()
+        torch.manual_seed(1)
+        model = peft.get_peft_model(base, config).eval()
+        assert torch.equal(logits(model), logits(reference))
+        merged, merged_reference = model.merge_and_unload(), reference.merge_and_unload()
+        assert torch.equal(logits(merged), logits(merged_reference))
+        tokens = merged.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=1)
+        assert torch.equal(tokens, merged_reference.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=1))
+    assert {p.name: p.read_bytes() for p in (snapshot.parents[1] / "blobs").iterdir()} == blobs
+    assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "generation_config.json", "pytorch_model.bin"]
+
+
+def test_merge_and_unload_of_layers_with_quantized_offload_storage(tmp_path: Path) -> None:
+    """With ``offload_quantization`` the disk layers' weights map has no offload index: peft's ``onload_layer``
+    raised ``AttributeError: 'QuantizedWeightsMap' object has no attribute 'index'``.  Merged, the model gives
+    the adapter model's results (its dequantized weights plus the adapters' product) within rounding."""
+    pytest.importorskip("torchao")
+    from _tiny_hf import TWO_LAYERS_ON_DISK, hub_snapshot
+
+    from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
+
+    snapshot = hub_snapshot(tmp_path / "hub", write_tiny_llama(tmp_path / "src", tokenizer=False))
+    config = transformers.AutoConfig.from_pretrained(str(snapshot))
+    with use_bigmodel():
+        with init_empty_weights():
+            empty = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        base = load_checkpoint_and_dispatch(empty, str(snapshot), TWO_LAYERS_ON_DISK,
+                                            offload_folder=str(tmp_path / "off"), offload_quantization="int8")  # fmt: skip
+        torch.manual_seed(1)
+        model = peft.get_peft_model(base, peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4,
+                                                          init_lora_weights=False)).eval()  # fmt: skip
+        adapted = logits(model)
+        with model.disable_adapter():
+            assert not torch.allclose(logits(model), adapted, atol=1e-3)
+        torch.testing.assert_close(logits(model.merge_and_unload()), adapted, atol=1e-5, rtol=1e-5)

@@ -9,20 +9,35 @@ offloaded weight is a ``meta`` placeholder between forwards, so the adapter woul
 answers its hook's execution device, and the adapters are created there, in memory, as on a
 model without offload (trainable, merged by ``merge_and_unload``).
 
+Merging (``merge_and_unload``, ``unload``, ``merge_adapter``) runs each layer inside peft's
+``onload_layer``, which looks up the safetensors file of the first entry of a disk-offloaded base
+layer's offload index, for a result it never uses (its weights map is a ``dict`` by the time it
+would be).  An index entry of a ``.dat`` file names no such file (a ``.bin`` checkpoint, a dtype
+conversion): ``KeyError: 'safetensors_file'``, with accelerate as well; an ``offload_quantization``
+weights map has no index (``AttributeError``).  While
+:func:`~bigmodel.use_bigmodel` is on, such a layer goes through :func:`onload_without_file_lookup`,
+peft's steps without the lookup; every other layer through peft's own ``onload_layer``.
+
 peft is imported lazily (importing it costs seconds): when it is not imported yet, a finder on
 ``sys.meta_path`` patches its classes right after ``peft.tuners.tuners_utils`` is first imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
+import torch
+from torch import nn
+
+from ..core.tensors import named_module_tensors
+from ..hooks.align_hook import AlignDevicesHook
 from ..hooks.placeholders import placeholders_report_execution_device
 
 __all__ = ["PEFT_MODULE", "PEFT_SCOPED", "install", "uninstall"]
@@ -30,6 +45,7 @@ __all__ = ["PEFT_MODULE", "PEFT_SCOPED", "install", "uninstall"]
 PEFT_MODULE = "peft.tuners.tuners_utils"
 # (class of PEFT_MODULE, method): peft code that places new adapters next to a base layer's weight.
 PEFT_SCOPED = (("BaseTuner", "inject_adapter"), ("BaseTunerLayer", "_move_adapter_to_device_of_base_layer"))
+PEFT_ONLOAD = "onload_layer"  # function of PEFT_MODULE that merging and unloading run each layer in
 
 Setter = Callable[[Any, str, Any], None]  # records the previous value, so that undoing restores it
 
@@ -43,12 +59,65 @@ def _scoped(method: Callable) -> Callable:
     return run_with_execution_devices
 
 
+def _offloading(module: nn.Module | None) -> bool:
+    """True if ``module``'s hook puts offloaded weights in (peft's test: an AlignDevicesHook with ``offload``)."""
+    hook = getattr(module, "_hf_hook", None)
+    return isinstance(hook, AlignDevicesHook) and bool(hook.offload)
+
+
+def names_a_file(layer: nn.Module) -> bool:
+    """False where peft's ``onload_layer`` would look up a safetensors file that the disk offload index of
+    ``layer.base_layer`` does not name (the index entry of its first tensor is a ``.dat`` file's), or the
+    weights map's dataset has no index at all (``offload_quantization``)."""
+    base = getattr(layer, "base_layer", None)
+    if not _offloading(base):
+        return True
+    dataset = getattr(base._hf_hook.weights_map, "dataset", None)
+    if dataset is None:
+        return True  # peft looks nothing up
+    index = getattr(dataset, "index", None)
+    if not isinstance(index, Mapping):
+        return False
+    first = next(iter(dataset), None)  # peft: next(iter(dict(dataset).keys()))
+    return first is None or "safetensors_file" in (index.get(first) or {})
+
+
+@contextlib.contextmanager
+def onload_without_file_lookup(layer: nn.Module) -> Iterator[None]:
+    """peft's ``onload_layer`` (0.21) without the file name lookup: offloaded submodules' weights in, the base
+    layer's in; after the body (the merge), the base layer's weights map becomes its merged tensors."""
+    others = [m for name, m in layer.named_modules() if name not in ("", "base_layer") and _offloading(m)]
+    for module in others:
+        module._hf_hook.pre_forward(module)
+    base = getattr(layer, "base_layer", None)
+    base_offloaded = _offloading(base)
+    if base_offloaded:
+        base._hf_hook.pre_forward(base)
+    yield
+    for module in others:
+        module._hf_hook.post_forward(module, torch.tensor([]))
+    if base_offloaded:
+        base._hf_hook.weights_map = {name: tensor.to("cpu") for name, tensor in named_module_tensors(base)}
+        base._hf_hook.post_forward(base, torch.tensor([]))
+
+
+def _onload(original: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+    @functools.wraps(original)
+    def onload_layer(layer: nn.Module) -> Any:
+        return original(layer) if names_a_file(layer) else onload_without_file_lookup(layer)
+
+    return onload_layer
+
+
 def _patch(module: ModuleType, set_attr: Setter) -> None:
     for class_name, method_name in PEFT_SCOPED:
         cls = getattr(module, class_name, None)
         method = vars(cls).get(method_name) if cls is not None else None
         if method is not None:  # another peft version may lack one: nothing to place there
             set_attr(cls, method_name, _scoped(method))
+    onload = vars(module).get(PEFT_ONLOAD)
+    if callable(onload):
+        set_attr(module, PEFT_ONLOAD, _onload(onload))
 
 
 class _Loader(importlib.abc.Loader):
