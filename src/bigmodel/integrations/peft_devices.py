@@ -78,7 +78,7 @@ def names_a_file(layer: nn.Module) -> bool:
     index = getattr(dataset, "index", None)
     if not isinstance(index, Mapping):
         return False
-    first = next(iter(dataset), None)  # peft: next(iter(dict(dataset).keys()))
+    first = next(iter(dataset), None)  # the entry peft asks about: the first the dataset iterates
     return first is None or "safetensors_file" in (index.get(first) or {})
 
 
