@@ -53,12 +53,16 @@ def test_argparse_errors_are_the_cli_error_line(case, capsys, monkeypatch):
     assert captured.out == ""
 
 
-def test_argparse_error_in_a_subprocess_is_the_only_line():
-    result = subprocess.run(
-        [sys.executable, "-m", "bigmodel.cli.main", "generate", "--max-new-tokens", "abc"],
-        capture_output=True, text=True, timeout=300, check=False,
+def _run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module args...`` in a fresh interpreter on this tree's sources, debug tracebacks off."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "PYTHONPATH": str(SRC), "BIGMODEL_DEBUG": ""},
     )  # fmt: skip
+
+
+def test_argparse_error_in_a_subprocess_is_the_only_line():
+    result = _run_module("bigmodel.cli.main", "generate", "--max-new-tokens", "abc")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "bigmodel: error: argument --max-new-tokens: invalid int value: 'abc'; see `bigmodel generate --help`."
@@ -106,10 +110,6 @@ def test_a_bad_config_is_the_cli_error_line(case, command, tmp_path, capsys, mon
 
 def test_python_dash_m_bigmodel_is_the_command():
     # Before: "No module named bigmodel.__main__; 'bigmodel' is a package and cannot be directly executed".
-    result = subprocess.run(
-        [sys.executable, "-m", "bigmodel", "generate", "--max-new-tokens", "abc"],
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "PYTHONPATH": str(SRC), "BIGMODEL_DEBUG": ""},
-    )  # fmt: skip
+    result = _run_module("bigmodel", "generate", "--max-new-tokens", "abc")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("bigmodel: error: argument --max-new-tokens")
