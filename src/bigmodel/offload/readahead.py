@@ -164,6 +164,13 @@ class InOrder:
         while self._in_flight:
             self._arrived()
 
+    def forget(self) -> None:
+        """Stop tracking the pieces asked for so far, without waiting for them (a new pass reads anew:
+        touching the last pass's pieces would read back whatever the kernel dropped meanwhile, one
+        page fault at a time, before the new pass's first read is asked for)."""
+        self._in_flight.clear()
+        self._waiting = 0
+
     def _arrived(self) -> None:
         (address, length), _, used = self._in_flight.popleft()
         self._waiting -= length
@@ -250,7 +257,8 @@ class ReadAhead:
             new_pass: this module starts a forward although it is not ``order[0]`` (the first
                 forward, run along a guessed order).  ``index == 0`` always starts one.
         """
-        if (new_pass or index == 0) and not self._early:  # a pass start() began goes on (reset() ends it)
+        began = (new_pass or index == 0) and not self._early  # a pass start() began goes on (reset() ends it)
+        if began:
             self._new_pass(order)
         self._early = False
         if not self.active:
@@ -269,8 +277,10 @@ class ReadAhead:
         self._ahead = max(self._ahead, position)
         if position == count and self.streaming:
             jobs += self._wrap(index, ahead)
-        if jobs:
-            _executor().submit(_run, [job for job in jobs if job[1]])
+        # A new pass does not wait for the last one's reads (streaming, they are this pass's first modules).
+        forget = self._reads if began and not self.streaming else None
+        if jobs or forget:
+            _executor().submit(_run, [job for job in jobs if job[1]], forget)
         previous = index - 1
         if self.streaming and previous >= 0 and not self._kept[previous]:
             self._used.pop(previous, threading.Event()).set()  # its reads still queued are dropped
@@ -383,6 +393,8 @@ def _after(done: Future | None, fn: Callable) -> Callable:
     return job
 
 
-def _run(jobs: list[tuple[Callable, list[Span], object]]) -> None:
+def _run(jobs: list[tuple[Callable, list[Span], object]], forget: InOrder | None = None) -> None:
+    if forget is not None:
+        forget.forget()
     for fn, spans, keep in jobs:
         fn(spans, keep)
