@@ -107,17 +107,21 @@ def placeable_device(name: str, device: DeviceSpec) -> torch.device:
 
 def check_filled(
     model: nn.Module, checkpoint: str | os.PathLike, device_map: Mapping[str, DeviceSpec] | None,
-    offload_folder: str | os.PathLike | None,
+    offload_folder: str | os.PathLike | None, filled: set[str] | None = None,
 ) -> None:  # fmt: skip
     """Raise if the model still has tensors on ``meta`` that a load left without a value.
 
     Tensors mapped to ``"disk"`` are on ``meta`` by design; they count as filled when the offload
-    folder's index holds them.  Tensors mapped to ``"meta"`` itself are left alone.
+    folder's index holds them and, when ``filled`` (the names the load filled) is given, the load
+    wrote that entry: an entry left there by an earlier offload (another model's) is no value of this
+    checkpoint.  Tensors mapped to ``"meta"`` itself are left alone.
 
     Raises:
         ValueError: names the tensors the checkpoint did not provide, and the fixes.
     """
     offloaded = set(load_offload_index(offload_folder)) if offload_folder is not None else set()
+    if filled is not None:
+        offloaded &= filled
     on_meta = [name for name, tensor in model.state_dict(keep_vars=True).items() if tensor.device.type == "meta"]
     unfilled = [name for name in on_meta if _unfilled(_mapped_to(name, device_map), name in offloaded)]
     if unfilled:
