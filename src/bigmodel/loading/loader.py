@@ -52,7 +52,7 @@ from ..offload.quantized import check_form, quantizable_names
 from ..offload.quantized_store import QuantizedFolderWrites
 from ..offload.storage import OffloadWriter
 from .conversion import KeyConversion, TensorRouter, convert_infos
-from .key_checks import check_shapes, listed, placeable_device, report_keys
+from .key_checks import check_shapes, listed, note_filled, placeable_device, report_keys
 from .resident import bring_back, read_whole_pickles, unmapped
 
 logger = logging.getLogger(__name__)
@@ -148,8 +148,8 @@ def load_filling(
     offload_buffers: bool, keep_in_fp32_modules: Sequence[str] | None, offload_8bit_bnb: bool, strict: bool,
     full_state_dict: bool, broadcast_from_rank0: bool, offload_quantization: str | None,
 ) -> set[str] | None:  # fmt: skip
-    """:func:`load_checkpoint_in_model` (same arguments), returning the names of the model tensors the
-    checkpoint filled, tied names included (None for ``broadcast_from_rank0``)."""
+    """:func:`load_checkpoint_in_model` (same arguments), returning the names of the model tensors this
+    load and earlier loads of the model with ``offload_folder`` filled (None for ``broadcast_from_rank0``)."""
     if broadcast_from_rank0:
         from .distributed import load_checkpoint_broadcast
 
@@ -201,7 +201,7 @@ def _load(
         if spill is not None:
             shutil.rmtree(spill.folder, ignore_errors=True)
     _retie(model, plan)
-    return set(plan.targets)
+    return note_filled(model, offload_folder, plan.targets)
 
 
 # ---------------------------------------------------------------- planning (nothing modified)
