@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 
 import psutil
@@ -20,6 +21,7 @@ from bigmodel import (
     has_offloaded_params,
     init_empty_weights,
     load_checkpoint_and_dispatch,
+    offload_state_dict,
     remove_hook_from_submodules,
 )
 
@@ -510,3 +512,26 @@ def test_cpu_offload_with_hook_to_accelerator_pins_once(reference, transfer_call
     )]  # once for the first model (the Identity has no tensors), not per forward or offload
     hook1.remove()
     assert not hasattr(first, "_hf_hook") and torch.equal(first(IDS), expected)
+
+
+@pytest.mark.parametrize("offload", ["cpu_offload", "dispatch_model"])
+def test_a_refused_offload_leaves_no_module_half_offloaded(offload, tmp_path) -> None:
+    """A state_dict lacking the last module's bias is refused when that module is hooked; the modules
+    hooked before it must not stay offloaded (they did: hooks left on, weights on meta, and
+    ``model.to(...)`` then failed with torch's set_data error)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    expected = model(x)
+    partial = {k: v for k, v in model.state_dict().items() if k != "2.bias"}
+    with pytest.raises(ValueError, match=r"weights_map has no value for 1 tensor\(s\) of Linear '2': \['bias'\]"):
+        if offload == "cpu_offload":
+            cpu_offload(model, execution_device="cpu", state_dict=partial)
+        else:
+            offload_state_dict(tmp_path, partial)
+            index = json.loads((tmp_path / "index.json").read_text())
+            dispatch_model(model, {"": "disk"}, offload_dir=tmp_path, offload_index=index)
+    assert [name for name, m in model.named_modules() if hasattr(m, "_hf_hook")] == []
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    model.to(torch.float64).to(torch.float32)
+    assert torch.equal(model(x), expected)

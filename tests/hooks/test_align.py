@@ -20,6 +20,7 @@ from bigmodel import (
     attach_align_device_hook,
     attach_align_device_hook_on_blocks,
     attach_execution_device_hook,
+    dispatch_model,
     has_offloaded_params,
     offload_state_dict,
     remove_hook_from_module,
@@ -453,3 +454,21 @@ def test_an_object_with_its_own_to_is_moved_even_after_its_class_was_seen():
         assert kwargs["cache"] is plain
     _, kwargs = send_inputs_to_device((), {"cache": own}, cpu)
     assert kwargs["cache"] == ("moved", cpu)
+
+
+@pytest.mark.parametrize("attach", ["hook", "dispatch", "send_to_device"])
+def test_skip_keys_that_are_no_keys_are_refused_when_the_hook_is_made(attach):
+    """An int (or other non-iterable) used to be accepted, then broke every forward with
+    "'int' object is not iterable"; it is a TypeError naming skip_keys before any forward."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"skip_keys=5 \(int\) is neither a key nor a list of keys"):
+        if attach == "hook":
+            AlignDevicesHook("cpu", skip_keys=5)
+        elif attach == "dispatch":
+            dispatch_model(model, {"": "cpu"}, skip_keys=5, force_hooks=True)
+        else:
+            send_to_device({"a": torch.ones(1)}, "cpu", skip_keys=5)
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(1, 4)), model(torch.ones(1, 4)))
+    hook = AlignDevicesHook("cpu", skip_keys=(k for k in ["cache"]))  # an iterable is kept, not consumed
+    assert list(hook.skip_keys) == ["cache"]

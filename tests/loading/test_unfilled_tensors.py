@@ -68,3 +68,34 @@ def test_without_a_device_map_the_model_comes_back_as_loaded(lacking_bias, caplo
         model = load_checkpoint_and_dispatch(_empty(), lacking_bias)
     assert "missing keys (1): 2.bias" in caplog.text
     assert model[2].bias.device.type == "meta" and model[0].weight.device.type == "cpu"
+
+
+def test_a_stale_entry_in_the_offload_folder_does_not_fill_a_missing_key(lacking_bias, tmp_path) -> None:
+    """The folder held another model's offload of ``2.bias`` (same shape): the checkpoint lacking it
+    must not be dispatched with that value, and the folder keeps what it held."""
+    folder = tmp_path / "F"
+    stale = {k: torch.full_like(v, 7.0) for k, v in _make().state_dict().items()}
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file(stale, other / "model.safetensors")
+    device_map = {"0": "cpu", "1": "cpu", "2": "disk"}
+    load_checkpoint_and_dispatch(_empty(), other, device_map=device_map, offload_folder=folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(ValueError, match=r"still on the meta device.*did not provide them: 2\.bias\. Fix"):
+        load_checkpoint_and_dispatch(_empty(), lacking_bias, device_map=device_map, offload_folder=folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_disk_tensor_an_earlier_load_of_the_same_model_filled_counts_as_filled(lacking_bias, tmp_path) -> None:
+    """A checkpoint in two parts: the first load puts ``2.bias`` on disk, the second (lacking it) dispatches."""
+    torch.manual_seed(0)
+    full = _make()
+    bias_only = tmp_path / "bias"
+    bias_only.mkdir()
+    save_file({"2.bias": full[2].bias.detach().contiguous()}, bias_only / "model.safetensors")
+    folder, device_map = tmp_path / "F", {"0": "cpu", "1": "cpu", "2": "disk"}
+    model = _empty()
+    load_checkpoint_in_model(model, bias_only, device_map=device_map, offload_folder=folder)
+    model = load_checkpoint_and_dispatch(model, lacking_bias, device_map=device_map, offload_folder=folder)
+    x = torch.randn(2, 4)
+    assert torch.equal(model(x), full(x))

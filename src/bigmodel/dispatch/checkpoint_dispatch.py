@@ -67,7 +67,7 @@ def load_checkpoint_and_dispatch(
     """
     from ..dispatch.dispatch import dispatch_model
     from ..loading.key_checks import check_filled
-    from ..loading.loader import load_checkpoint_in_model
+    from ..loading.loader import load_filling
     from ..planning.device_map import resolve_device_map
 
     if device_map is not None:
@@ -84,15 +84,13 @@ def load_checkpoint_and_dispatch(
     # when broadcasting from rank 0 (it writes no folder; ranks of one machine sharing the folder's name
     # would wait for the lock while the holder waits for them in a collective).
     with folder_lock(None if broadcast_from_rank0 else offload_folder), OffloadFolderUndo(offload_folder):
-        load_checkpoint_in_model(
-            model, checkpoint, device_map=device_map, offload_folder=offload_folder, dtype=dtype,
-            offload_state_dict=offload_state_dict, offload_buffers=offload_buffers, strict=strict,
-            full_state_dict=full_state_dict, broadcast_from_rank0=broadcast_from_rank0,
-            offload_quantization=offload_quantization,
+        filled = load_filling(
+            model, checkpoint, device_map, offload_folder, dtype, offload_state_dict, offload_buffers, None, False,
+            strict, full_state_dict, broadcast_from_rank0, offload_quantization,
         )  # fmt: skip
         if device_map is None:
             return model  # loaded only, as the incumbent does: missing keys were logged, none is checked
-        check_filled(model, checkpoint, device_map, offload_folder)
+        check_filled(model, checkpoint, device_map, offload_folder, filled)
         return dispatch_model(
             model, device_map=device_map, offload_dir=offload_folder, offload_buffers=offload_buffers,
             skip_keys=skip_keys, preload_module_classes=preload_module_classes, force_hooks=force_hooks,

@@ -44,6 +44,7 @@ from .redispatch import (
     _guard_moves,
     _runs_on_accelerator,
     _undispatch,
+    hooks_removed_on_error,
 )
 from .uncovered import place_uncovered_buffers
 from .whole_model import (
@@ -304,11 +305,12 @@ def dispatch_model(
             weights_map = wrap_weights_map(weights_map, form, in_ram, offload_dir if on_disk else None, on_disk)
     place_uncovered_buffers(model, device_map, main)
     tied, tied_map = _tied_params_map(model)
-    attach_align_device_hook_on_blocks(
-        model, execution_device=execution_device, offload=offload, offload_buffers=offload_buffers,
-        weights_map=weights_map, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
-        tied_params_map=tied_map,
-    )  # fmt: skip
+    with hooks_removed_on_error(model):
+        attach_align_device_hook_on_blocks(
+            model, execution_device=execution_device, offload=offload, offload_buffers=offload_buffers,
+            weights_map=weights_map, skip_keys=skip_keys, preload_module_classes=preload_module_classes,
+            tied_params_map=tied_map,
+        )  # fmt: skip
     mixed = tie_offloaded(model, tied)
     tie_to_resident(model, mixed)
     retie_parameters(model, _resident_groups(model, mixed, device_map))

@@ -8,9 +8,10 @@ the real weights back into the modules.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -149,3 +150,21 @@ def _undispatch(model: nn.Module, what: str) -> None:
     if _is_dispatched(model):
         logger.info("%s: the model was already dispatched; removing its hooks (weights come back) first.", what)
         remove_hook_from_submodules(model)
+
+
+@contextlib.contextmanager
+def hooks_removed_on_error(model: nn.Module) -> Iterator[None]:
+    """Attach hooks to an undispatched ``model`` inside the block; if it raises, remove those attached so far.
+
+    A refused attach (a weights map lacking a module's tensor is found at that module) then leaves no
+    module half offloaded: their weights come back from the hooks' weights map, as after the earlier
+    dispatch's removal.  A model that held hooks of its own before (layerwise casting) is left as the
+    attach left it, so that no hook of the caller's is removed.
+    """
+    had_hooks = any("_hf_hook" in module.__dict__ for module in model.modules())
+    try:
+        yield
+    except BaseException:
+        if not had_hooks:
+            remove_hook_from_submodules(model)
+        raise

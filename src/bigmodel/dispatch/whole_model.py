@@ -46,6 +46,7 @@ from .redispatch import (
     _guard_moves,
     _runs_on_accelerator,
     _undispatch,
+    hooks_removed_on_error,
 )
 
 logger = logging.getLogger(__name__)
@@ -170,11 +171,12 @@ def _default_device(model: nn.Module) -> torch.device:
 def _attach_whole_model(model: nn.Module, execution_device: Any, weights_map: Mapping, offload_buffers: bool,
                         preload_module_classes: list[str] | None) -> None:
     tied = find_tied_parameters(model)
-    add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
-    attach_align_device_hook(
-        model, execution_device=execution_device, offload=True, offload_buffers=offload_buffers,
-        weights_map=weights_map, preload_module_classes=preload_module_classes,
-    )  # fmt: skip
+    with hooks_removed_on_error(model):
+        add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
+        attach_align_device_hook(
+            model, execution_device=execution_device, offload=True, offload_buffers=offload_buffers,
+            weights_map=weights_map, preload_module_classes=preload_module_classes,
+        )  # fmt: skip
     tie_offloaded(model, tied)
     _enable_prefetch(model, execution_device)
     _guard_moves(model, tied)

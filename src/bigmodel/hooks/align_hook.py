@@ -31,7 +31,7 @@ from ..offload.quantized_store import read_offloaded, take_dequantized, take_sub
 from .kept import KeptValues, keep_value, put_in_kept, token_source
 from .block_plan import PlanSlot
 from .members import restore_members, take_members
-from .moving import find_device, send_inputs_to_device, send_to_device
+from .moving import checked_skip_keys, find_device, send_inputs_to_device, send_to_device
 from .placeholders import (
     Slot,
     adopt_registered_parameters,
@@ -87,7 +87,7 @@ class AlignDevicesHook(ModelHook):
         self.weights_map = weights_map
         self.offload_buffers = offload_buffers
         self.place_submodules = place_submodules
-        self.skip_keys = skip_keys
+        self.skip_keys = checked_skip_keys(skip_keys)  # refused now, not at every forward
         self.tied_params_map = tied_params_map
         self.input_device: torch.device | None = None
         self.original_devices: dict[str, torch.device] = {}

@@ -18,12 +18,27 @@ from ..core.devices import torch_device
 _NO_SKIP: frozenset[str] = frozenset()
 
 
+def checked_skip_keys(skip_keys: Any) -> Any:
+    """``skip_keys`` as given, once known to be None, a key (str) or an iterable of keys (not consumed).
+
+    Raises:
+        TypeError: anything else (an int, ...): names the value and the fix, where the hook is made
+            rather than at each forward.
+    """
+    if skip_keys is not None and not isinstance(skip_keys, (str, Iterable)):
+        raise TypeError(
+            f"skip_keys={skip_keys!r} ({type(skip_keys).__name__}) is neither a key nor a list of keys; pass the "
+            "name of an input/output mapping key never moved (a str), a list of them, or None."
+        )
+    return skip_keys
+
+
 def _skip_set(skip_keys: str | Iterable[str] | None) -> frozenset[str]:
     if skip_keys is None:
         return _NO_SKIP
     if isinstance(skip_keys, str):
         return frozenset((skip_keys,))
-    return frozenset(skip_keys)
+    return frozenset(checked_skip_keys(skip_keys))
 
 
 def send_to_device(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -31,6 +32,23 @@ class CheckpointMismatchError(ValueError, RuntimeError):
     A ValueError naming the keys, and a RuntimeError as torch's ``load_state_dict(strict=True)``
     (which accelerate uses for a load without a device map) raises it.
     """
+
+
+# model → offload folder (real path, None for none) → names of the model's tensors loads have filled there.
+_FILLED: weakref.WeakKeyDictionary[nn.Module, dict[str | None, set[str]]] = weakref.WeakKeyDictionary()
+
+
+def note_filled(model: nn.Module, offload_folder: str | os.PathLike | None, names: Iterable[str]) -> set[str]:
+    """Record ``names`` as filled by a load of ``model`` with ``offload_folder``.
+
+    Returns:
+        Every name loads of this model object with this folder filled so far (an earlier load of
+        another checkpoint into the same model and folder included; another model's offload is not).
+    """
+    key = os.path.realpath(offload_folder) if offload_folder is not None else None
+    seen = _FILLED.setdefault(model, {}).setdefault(key, set())
+    seen.update(names)
+    return set(seen)
 
 
 def report_keys(missing: list[str], unexpected: list[str], strict: bool) -> None:
@@ -107,17 +125,21 @@ def placeable_device(name: str, device: DeviceSpec) -> torch.device:
 
 def check_filled(
     model: nn.Module, checkpoint: str | os.PathLike, device_map: Mapping[str, DeviceSpec] | None,
-    offload_folder: str | os.PathLike | None,
+    offload_folder: str | os.PathLike | None, filled: set[str] | None = None,
 ) -> None:  # fmt: skip
     """Raise if the model still has tensors on ``meta`` that a load left without a value.
 
     Tensors mapped to ``"disk"`` are on ``meta`` by design; they count as filled when the offload
-    folder's index holds them.  Tensors mapped to ``"meta"`` itself are left alone.
+    folder's index holds them and, when ``filled`` is given (:func:`note_filled`: the names loads of
+    this model filled), a load of this model wrote that entry: an entry another model's offload left
+    there is no value of this checkpoint.  Tensors mapped to ``"meta"`` itself are left alone.
 
     Raises:
         ValueError: names the tensors the checkpoint did not provide, and the fixes.
     """
     offloaded = set(load_offload_index(offload_folder)) if offload_folder is not None else set()
+    if filled is not None:
+        offloaded &= filled
     on_meta = [name for name, tensor in model.state_dict(keep_vars=True).items() if tensor.device.type == "meta"]
     unfilled = [name for name in on_meta if _unfilled(_mapped_to(name, device_map), name in offloaded)]
     if unfilled:

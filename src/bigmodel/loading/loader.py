@@ -52,7 +52,7 @@ from ..offload.quantized import check_form, quantizable_names
 from ..offload.quantized_store import QuantizedFolderWrites
 from ..offload.storage import OffloadWriter
 from .conversion import KeyConversion, TensorRouter, convert_infos
-from .key_checks import check_shapes, listed, placeable_device, report_keys
+from .key_checks import check_shapes, listed, note_filled, placeable_device, report_keys
 from .resident import bring_back, read_whole_pickles, unmapped
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,20 @@ def load_checkpoint_in_model(
             keys with ``strict=True``.  All of these are raised before the model is modified.
         PermissionError: the offload folder is not writable.
     """
+    load_filling(
+        model, checkpoint, device_map, offload_folder, dtype, offload_state_dict, offload_buffers,
+        keep_in_fp32_modules, offload_8bit_bnb, strict, full_state_dict, broadcast_from_rank0, offload_quantization,
+    )  # fmt: skip
+
+
+def load_filling(
+    model: nn.Module, checkpoint: str | os.PathLike, device_map: Mapping[str, DeviceSpec] | None,
+    offload_folder: str | os.PathLike | None, dtype: torch.dtype | str | None, offload_state_dict: bool,
+    offload_buffers: bool, keep_in_fp32_modules: Sequence[str] | None, offload_8bit_bnb: bool, strict: bool,
+    full_state_dict: bool, broadcast_from_rank0: bool, offload_quantization: str | None,
+) -> set[str] | None:  # fmt: skip
+    """:func:`load_checkpoint_in_model` (same arguments), returning the names of the model tensors this
+    load and earlier loads of the model with ``offload_folder`` filled (None for ``broadcast_from_rank0``)."""
     if broadcast_from_rank0:
         from .distributed import load_checkpoint_broadcast
 
@@ -146,7 +160,7 @@ def load_checkpoint_in_model(
     if offload_8bit_bnb:
         logger.debug("offload_8bit_bnb: bitsandbytes weights are offloaded as stored.")
     with folder_lock(offload_folder):  # no other offload into the folder meanwhile
-        _load(
+        return _load(
             model, checkpoint, None, device_map, offload_folder, floating_dtype(dtype), offload_state_dict,
             offload_buffers, keep_in_fp32_modules or (), strict, check_form(offload_quantization),
         )  # fmt: skip
@@ -164,7 +178,7 @@ def _load(
     fp32: Sequence[str],
     strict: bool,
     form: str | None = None,
-) -> None:
+) -> set[str]:
     source = GGUFCheckpoint(checkpoint, model) if is_gguf(checkpoint) else None
     files = [source.path] if source is not None else resolve_checkpoint_files(checkpoint)
     plan = _make_plan(model, files, conversion, device_map, dtype, fp32, strict, offload_buffers, source)
@@ -187,6 +201,7 @@ def _load(
         if spill is not None:
             shutil.rmtree(spill.folder, ignore_errors=True)
     _retie(model, plan)
+    return note_filled(model, offload_folder, plan.targets)
 
 
 # ---------------------------------------------------------------- planning (nothing modified)
