@@ -260,3 +260,21 @@ def test_llama_shaped_transformers_model_keeps_decoder_layers_whole():
     for group in tied:
         owners = {next(v for k, v in device_map.items() if n == k or n.startswith(k + ".")) for n in group}
         assert len(owners) == 1
+
+
+def test_a_spec_naming_no_device_is_caught_as_a_value_error_and_as_torchs_runtime_error():
+    """torch raises RuntimeError for an unknown device string, so code written for the incumbent (whose
+    maps go to torch) catches RuntimeError; bigmodel's documented ValueError is caught the same way."""
+    from bigmodel.core.devices import torch_device
+
+    model = Layers(1, 1)
+    for bad in ("gpu", "Disk", "cuda:x"):
+        with pytest.raises(RuntimeError, match=f"Device '{bad}' is not a device spec"):
+            torch_device(bad)
+        with pytest.raises(ValueError, match=f"Device '{bad}' is not a device spec"):
+            torch_device(bad)
+    with pytest.raises(RuntimeError, match=r"device_map\['layers.1'\]: Device 'gpu' is not a device spec"):
+        resolve_device_map(model, {"layers.0": 0, "layers.1": "gpu"})
+    if not torch.accelerator.is_available():
+        with pytest.raises(RuntimeError, match="names an accelerator but torch sees none"):
+            torch_device(0)

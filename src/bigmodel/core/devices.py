@@ -19,6 +19,14 @@ DeviceSpec = Union[int, str, torch.device]
 _DEVICE_STRING = re.compile(r"^(?P<type>[a-z_]+[a-z0-9_]*)(?::(?P<index>\d+))?$")
 
 
+class DeviceSpecError(ValueError, RuntimeError):
+    """A device spec that names no device, or an accelerator where torch sees none.
+
+    A ValueError, and also a RuntimeError (what torch raises for an unknown device string, and so
+    what code written for the incumbent catches), so either ``except`` clause catches it.
+    """
+
+
 def accelerator_type() -> str | None:
     """The current accelerator's device type (``"cuda"``, ``"xpu"``, ``"mps"`` ...), or None."""
     if not torch.accelerator.is_available():
@@ -38,13 +46,14 @@ def normalize_device(device: DeviceSpec) -> int | str:
     stay strings.  ``"cuda:1"`` and ``torch.device("cuda", 1)`` become ``1``.
 
     Raises:
-        ValueError: if the spec is not a device (names the value and the accepted forms).
+        DeviceSpecError (a ValueError and RuntimeError): if the spec is not a device (names the value
+            and the accepted forms).
     """
     if isinstance(device, bool):
-        raise ValueError(f"Device {device!r} is not a device spec; use an int, 'cpu', 'disk' or 'cuda:0'.")
+        raise DeviceSpecError(f"Device {device!r} is not a device spec; use an int, 'cpu', 'disk' or 'cuda:0'.")
     if isinstance(device, int):
         if device < 0:
-            raise ValueError(f"Device index {device} is negative; accelerator indices start at 0.")
+            raise DeviceSpecError(f"Device index {device} is negative; accelerator indices start at 0.")
         return device
     if isinstance(device, torch.device):
         if device.type in ("cpu", "meta"):
@@ -62,7 +71,7 @@ def normalize_device(device: DeviceSpec) -> int | str:
                 return match.group("type")  # "cpu:0" is the cpu
             index = match.group("index")
             return int(index) if index is not None else 0
-    raise ValueError(
+    raise DeviceSpecError(
         f"Device {device!r} is not a device spec; use an int accelerator index, 'cpu', "
         "'disk', 'meta', a torch.device or a string like 'cuda:1'."
     )
@@ -101,26 +110,27 @@ def torch_device(device: DeviceSpec) -> torch.device:
     """The :class:`torch.device` for a spec; integers map onto the current accelerator type.
 
     Raises:
-        ValueError: for ``"disk"`` (not a torch device), a string torch does not know as a
-            device (``"gpu"``), or an accelerator index on a machine without an accelerator.
+        DeviceSpecError (a ValueError and RuntimeError): for ``"disk"`` (not a torch device), a string
+            torch does not know as a device (``"gpu"``), or an accelerator index on a machine without an
+            accelerator.
     """
     if isinstance(device, torch.device):
         return device
     if isinstance(device, str) and not device.strip().isdigit():
         text = device.strip()
         if text == "disk":
-            raise ValueError("'disk' is not a torch device; tensors mapped to disk live in the offload folder.")
+            raise DeviceSpecError("'disk' is not a torch device; tensors mapped to disk live in the offload folder.")
         try:
             return torch.device(text)
         except RuntimeError as err:
-            raise ValueError(
+            raise DeviceSpecError(
                 f"Device {device!r} is not a device spec; use an int accelerator index, 'cpu', 'meta', "
                 "a torch.device or a string like 'cuda:1'."
             ) from err
     index = normalize_device(device)
     kind = accelerator_type()
     if kind is None:
-        raise ValueError(
+        raise DeviceSpecError(
             f"Device {device!r} names an accelerator but torch sees none; map it to 'cpu' or 'disk' instead."
         )
     return torch.device(kind, index)

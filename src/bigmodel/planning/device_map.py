@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..core.coverage import check_covered, is_covered
-from ..core.devices import DeviceSpec, normalize_device
+from ..core.devices import DeviceSpec, DeviceSpecError, normalize_device
 from ..core.tensors import get_non_persistent_buffers
 from ..core.warn import caller_stacklevel
 from .fill import (
@@ -308,7 +308,8 @@ def resolve_device_map(
         try:
             normalize_device(device)
         except ValueError as err:
-            raise ValueError(f"device_map[{name!r}]: {err}") from err
+            kind = DeviceSpecError if isinstance(err, DeviceSpecError) else ValueError
+            raise kind(f"device_map[{name!r}]: {err}") from err
     check_device_map(model, device_map)
     return dict(device_map)
 
