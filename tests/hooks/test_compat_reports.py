@@ -115,3 +115,44 @@ def test_align_devices_hook_repr_reads_as_accelerates():
         "AlignDevicesHook(execution_device=cpu, offload=False, io_same_device=True, offload_buffers=False, "
         "place_submodules=False, skip_keys=None)"
     )
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * 2
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_ScaledBlock(), _ScaledBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_preload_classes_stop_the_execution_device_hooks_of_offloaded_blocks_only():
+    # accelerate 1.15: a resident block of a preload class still gets execution-device hooks on its
+    # submodules (blocks.1.proj below); an offloaded one does not (its weights load at its start).
+    from bigmodel.hooks import attach_align_device_hook_on_blocks
+
+    torch.manual_seed(0)
+    model, x = _TwoBlocks(), torch.randn(2, 4)
+    expected = model(x)
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    attach_align_device_hook_on_blocks(
+        model, execution_device=dict.fromkeys(["blocks.0", "blocks.1"], "cpu"),
+        offload={"blocks.0": True, "blocks.1": False}, weights_map=weights, preload_module_classes=["_ScaledBlock"],
+    )  # fmt: skip
+    hooked = sorted(name for name, module in model.named_modules() if hasattr(module, "_hf_hook"))
+    assert hooked == ["", "blocks.0", "blocks.1", "blocks.1.proj"]
+    assert not model.blocks[1].proj._hf_hook.offload
+    assert torch.equal(model(x), expected)
+    direct = nn.functional.linear(x, weights["blocks.1.proj.weight"], weights["blocks.1.proj.bias"])
+    assert torch.equal(model.blocks[1].proj(x), direct)

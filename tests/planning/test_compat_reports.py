@@ -62,3 +62,27 @@ def _llama(vocab: int) -> nn.Module:
 def test_balanced_budgets_of_a_llama_match_accelerate(vocab, no_split, first):
     model = _llama(vocab)
     assert get_balanced_memory(model, {0: BIG, 1: BIG, "cpu": BIG}, no_split)[0] == first
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+
+class _DenseThenWide(nn.Module):
+    """Two narrow layers, then two wide ones of the same class (a model whose first blocks are dense
+    and later ones mixture-of-experts, e.g. DeepSeek-V3's ``first_k_dense_replace``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(4), _Layer(4), _Layer(40), _Layer(40)])  # 80, 80, 6,560, 6,560 bytes
+
+
+def test_balanced_slack_sizes_a_no_split_class_by_its_first_module():
+    # 13,280 bytes over 2 accelerators: 6,640 each, plus 1.25 x max(first _Layer: 80, mean leaf: 3,320):
+    # accelerate gives 10,790 (a slack from the largest _Layer, 6,560, gave 14,840).
+    budgets = get_balanced_memory(_DenseThenWide(), {0: BIG, 1: BIG, "cpu": BIG}, ["_Layer"])
+    assert budgets == {0: 10_790, 1: BIG, "cpu": BIG}
+    three = get_balanced_memory(_DenseThenWide(), {0: BIG, 1: BIG, 2: BIG}, ["_Layer"], low_zero=True)
+    assert three == {0: 0, 1: 10_790, 2: BIG}

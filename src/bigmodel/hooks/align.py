@@ -218,8 +218,10 @@ def _apply_block(module: nn.Module, plan: _BlockPlan, shared: _SharedSettings) -
         if plan.per_block_map:
             _give_block_a_hook(module, plan, shared)
     if plan.per_block_map:
-        attach_execution_device_hook(module, plan.device, shared.skip_keys, shared.preload_module_classes,
-                                     shared.tied_params_map)
+        # preload classes stop the walk only in offloaded blocks (whose weights load at the block's start);
+        # a resident block's submodules all move their inputs, as with accelerate 1.15
+        preload = shared.preload_module_classes if plan.kind == "offloaded" else None
+        attach_execution_device_hook(module, plan.device, shared.skip_keys, preload, shared.tied_params_map)
         if plan.name and os.environ.get(BLOCK_HOOKS_ENV, "1").strip() != "0":
             _gather_members(module, offloaded=plan.kind == "offloaded" and _runs_on_cpu(plan.device))
 

@@ -125,19 +125,23 @@ def _warn_absent(budgets: Mapping[int | str, int]) -> None:
 def _balance_layer_size(
     model: nn.Module, sizes: Mapping[str, int], no_split_module_classes: list[str] | str | None
 ) -> int:
-    """Bytes of the "layer" that balanced budgets leave room for: the largest module of a no-split
-    class, or the mean of the leaf modules that hold tensors (root excluded), whichever is larger."""
+    """Bytes of the "layer" that balanced budgets leave room for: the largest of the no-split classes'
+    sizes, each class sized by its first module holding tensors (as accelerate 1.15 does, so a model
+    whose later blocks of a class are wider gets the same budgets), or the mean of the leaf modules
+    that hold tensors (root excluded), whichever is larger."""
     no_split = no_split_module_classes or ()
     no_split = {no_split} if isinstance(no_split, str) else set(no_split)
-    largest_no_split, leaves = 0, []
+    first_of_class: dict[str, int] = {}
+    leaves = []
     for name, module in model.named_modules():
         size = sizes.get(name, 0)
-        if type(module).__name__ in no_split:
-            largest_no_split = max(largest_no_split, size)
+        class_name = type(module).__name__
+        if name and class_name in no_split and name in sizes:
+            first_of_class.setdefault(class_name, size)
         if name and size > 0 and next(module.children(), None) is None:
             leaves.append(size)
     mean_leaf = sum(leaves) // len(leaves) if leaves else 0
-    return max(largest_no_split, mean_leaf)
+    return max(max(first_of_class.values(), default=0), mean_leaf)
 
 
 def get_balanced_memory(
@@ -153,8 +157,9 @@ def get_balanced_memory(
     Every accelerator but the last is capped at an even share of the model (rounded down)
     plus slack, so filling the accelerators in order leaves each about as full as the others;
     the last one keeps its whole budget for the remainder.  The slack is 1.25 times the larger
-    of the largest module of a ``no_split_module_classes`` class and the mean size of the leaf
-    modules holding tensors (the root excluded), the budgets accelerate 1.15 gives.  ``"cpu"``
+    of the size of a ``no_split_module_classes`` class (its first module holding tensors; the
+    largest over the classes) and the mean size of the leaf modules holding tensors (the root
+    excluded), the budgets accelerate 1.15 gives.  ``"cpu"``
     and ``"disk"`` budgets are unchanged.
 
     Args:
