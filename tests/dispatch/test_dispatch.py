@@ -535,3 +535,16 @@ def test_a_refused_offload_leaves_no_module_half_offloaded(offload, tmp_path) ->
     assert all(p.device.type == "cpu" for p in model.parameters())
     model.to(torch.float64).to(torch.float32)
     assert torch.equal(model(x), expected)
+
+
+def test_a_refused_device_move_is_caught_as_not_implemented_too():
+    """The incumbent's refusals of ``.cpu()``/``.to(device)`` on an offloaded model are NotImplementedError
+    (torch's copy out of meta) or RuntimeError; bigmodel's is a NotImplementedError, so both catch it."""
+    from torch import nn
+
+    from bigmodel import cpu_offload
+
+    model = cpu_offload(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), execution_device="cpu")
+    for move in (model.cpu, lambda: model.to("cpu")):
+        with pytest.raises(NotImplementedError, match=r"Cannot call \.(cpu|to)\(\) on a Sequential"):
+            move()

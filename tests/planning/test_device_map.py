@@ -278,3 +278,17 @@ def test_a_spec_naming_no_device_is_caught_as_a_value_error_and_as_torchs_runtim
     if not torch.accelerator.is_available():
         with pytest.raises(RuntimeError, match="names an accelerator but torch sees none"):
             torch_device(0)
+
+
+def test_numpy_integer_device_indices_are_taken_as_ints():
+    """A device map built with numpy (np.argmin over free memory, say) holds numpy integers: accelerate
+    takes them; they become plain ints (no other value of the map changes)."""
+    np = pytest.importorskip("numpy")
+    from bigmodel.core.devices import normalize_device
+
+    assert normalize_device(np.int64(1)) == 1 and type(normalize_device(np.int64(1))) is int
+    with pytest.raises(ValueError, match="is negative"):
+        normalize_device(np.int32(-1))
+    model = Layers(1, 1)
+    resolved = resolve_device_map(model, {"layers.0": np.int64(0), "layers.1": "cpu"})
+    assert resolved == {"layers.0": 0, "layers.1": "cpu"} and type(resolved["layers.0"]) is int

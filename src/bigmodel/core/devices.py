@@ -9,6 +9,7 @@ MPS, NPU ... all work without a per-backend branch.
 from __future__ import annotations
 
 import gc
+import numbers
 import re
 from typing import Any, Union
 
@@ -51,6 +52,8 @@ def normalize_device(device: DeviceSpec) -> int | str:
     """
     if isinstance(device, bool):
         raise DeviceSpecError(f"Device {device!r} is not a device spec; use an int, 'cpu', 'disk' or 'cuda:0'.")
+    if isinstance(device, numbers.Integral):  # an int, or a numpy integer (torch.device takes those too)
+        device = int(device)
     if isinstance(device, int):
         if device < 0:
             raise DeviceSpecError(f"Device index {device} is negative; accelerator indices start at 0.")

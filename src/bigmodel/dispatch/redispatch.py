@@ -91,7 +91,9 @@ class GuardedApply(ModuleBound):
         offloaded = _offloaded_names(model)
         if offloaded:
             shown = ", ".join(repr(n) for n in offloaded[:3]) + (" ..." if len(offloaded) > 3 else "")
-            raise RuntimeError(
+            # NotImplementedError, a RuntimeError: what the incumbent raises here (torch's copy out of meta, or
+            # its own RuntimeError), so code catching either type catches this one
+            raise NotImplementedError(
                 f"Cannot call .{name}() on a {type(model).__name__} dispatched with offloaded modules ({shown}): "
                 "their weights live in the weights map (CPU/disk) and would not follow a device move (casts to "
                 "another dtype are fine). Dispatch it again with another device map, or call "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import warnings
 from collections.abc import Mapping
 
@@ -311,5 +312,10 @@ def resolve_device_map(
             kind = DeviceSpecError if isinstance(err, DeviceSpecError) else ValueError
             raise kind(f"device_map[{name!r}]: {err}") from err
     check_device_map(model, device_map)
-    return dict(device_map)
+    return {name: _plain(device) for name, device in device_map.items()}
+
+
+def _plain(device: DeviceSpec) -> DeviceSpec:
+    """A numpy integer device index as an int (the rest of bigmodel, like torch, takes ints); else as given."""
+    return int(device) if isinstance(device, numbers.Integral) and not isinstance(device, bool) else device
 
