@@ -128,3 +128,20 @@ def test_dispatch_honours_transformers_skip_device_map_check(on, tiny: Path) -> 
     with hf_accelerate.skip_device_map_check():
         hf_accelerate.dispatch_model(model, device_map=partial_map, force_hooks=True)
     assert hook_owner(model) == {"bigmodel"}
+
+
+def test_a_tied_head_on_disk_with_its_embeddings_on_cpu_runs(on, tmp_path: Path) -> None:
+    """A user map that puts a tied head on disk and its embeddings on cpu: the checkpoint stores the tied
+    weight once, so the offload folder has no entry for lm_head.weight; its hook reads the embeddings'
+    value from memory (accelerate 1.15 fails at the forward with KeyError 'lm_head.weight'; bigmodel
+    failed at load asking for a weights_map the user never passed)."""
+    tied = write_tiny_llama(tmp_path / "tied", tokenizer=False, tie=True)
+    split = {**SPLIT_MAP, "model.layers.1": "cpu", "model.layers.2": "cpu"}  # only the head on disk
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tied), dtype=torch.float32, device_map=split, offload_folder=str(tmp_path / "offload")
+    ).eval()
+    assert model.hf_device_map["lm_head"] == "disk" and hook_owner(model) == {"bigmodel"}
+    logits, tokens = outputs(model)
+    expected_logits, expected_tokens = outputs(whole(tied))
+    assert torch.equal(logits, expected_logits)
+    assert torch.equal(tokens, expected_tokens)

@@ -104,6 +104,27 @@ def _tied_params_map(model: nn.Module) -> tuple[list[list[str]], dict[int, dict]
     return tied, pointers
 
 
+def _tied_in_memory(model: nn.Module, disk_modules: list[str], index: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors of disk modules that the offload index lacks but whose tied twin holds values in memory.
+
+    A checkpoint stores a tied weight once: a head mapped to disk whose weight is tied to embeddings
+    kept on cpu has no entry in the folder; its hook reads the twin's value from memory instead.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for group in find_tied_parameters(model):
+        values = [tensor for tensor in (_tensor_at(model, name) for name in group) if tensor.device.type != "meta"]
+        for name in group:
+            on_disk = any(not m or name == m or name.startswith(m + ".") for m in disk_modules)
+            if values and on_disk and name not in index:
+                out[name] = values[0].detach()
+    return out
+
+
+def _tensor_at(model: nn.Module, name: str) -> torch.Tensor:
+    sub, attr = get_submodule_and_name(model, name)
+    return getattr(sub, attr)
+
+
 def _resident_groups(model: nn.Module, tied: list[list[str]], device_map: Mapping[str, DeviceSpec]) -> list[list[str]]:
     """The tied groups to tie again after hooking: none of their members offloaded, all on one device.
 
@@ -298,6 +319,8 @@ def dispatch_model(
         if state_dict is not None or disk_modules or offload_index is not None:
             if disk_modules and offload_index is None:  # the index _disk_weights wrote ({} if it had nothing to write)
                 offload_index = load_offload_index(offload_dir)
+            twins = _tied_in_memory(model, disk_modules, offload_index or {})
+            state_dict = {**(state_dict or {}), **twins} if twins else state_dict
             weights_map = OffloadedWeightsLoader(
                 state_dict=state_dict or {}, save_folder=offload_dir if disk_modules else None, index=offload_index
             )
