@@ -7,10 +7,13 @@ are plain numbers to both).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
+import torch
 from torch import nn
 
-from bigmodel import get_balanced_memory, init_empty_weights
+from bigmodel import get_balanced_memory, infer_auto_device_map, init_empty_weights
 
 BIG = 10**7
 
@@ -86,3 +89,24 @@ def test_balanced_slack_sizes_a_no_split_class_by_its_first_module():
     assert budgets == {0: 10_790, 1: BIG, "cpu": BIG}
     three = get_balanced_memory(_DenseThenWide(), {0: BIG, 1: BIG, 2: BIG}, ["_Layer"], low_zero=True)
     assert three == {0: 0, 1: 10_790, 2: BIG}
+
+
+def _pr_2412_model() -> nn.Module:
+    # The model of accelerate's PR #2412 test: three modules, each with an extra buffer of 10 rows.
+    model = nn.Sequential(
+        OrderedDict([("linear1", nn.Linear(3, 4)), ("batchnorm", nn.BatchNorm1d(4)), ("linear2", nn.Linear(4, 5))])
+    )
+    model.linear1.register_buffer("test_buffer1", torch.zeros(10, 2))
+    model.batchnorm.register_buffer("test_buffer2", torch.zeros(10, 3))
+    model.linear2.register_buffer("test_buffer3", torch.zeros(10, 3))
+    return model
+
+
+def test_buffers_of_offloaded_modules_keep_room_on_the_execution_device():
+    # accelerate 1.15 gives {"linear1": 0, "batchnorm": "cpu", "linear2": "cpu"} either way, warning that
+    # the 280 bytes of offloaded buffers may not fit: with linear1's 144 bytes, device 0 would need 424 of
+    # its 400. bigmodel keeps room for them (README: "Device maps with accelerator budgets").
+    budgets = {0: 400, "cpu": 10**9}
+    assert infer_auto_device_map(_pr_2412_model(), dict(budgets)) == {"": "cpu"}
+    offloaded = infer_auto_device_map(_pr_2412_model(), dict(budgets), offload_buffers=True)
+    assert offloaded == {"linear1": 0, "batchnorm": "cpu", "linear2": "cpu"}
