@@ -548,3 +548,27 @@ def test_a_refused_device_move_is_caught_as_not_implemented_too():
     for move in (model.cpu, lambda: model.to("cpu")):
         with pytest.raises(NotImplementedError, match=r"Cannot call \.(cpu|to)\(\) on a Sequential"):
             move()
+
+
+def test_a_redispatch_to_a_folder_it_cannot_write_leaves_the_dispatched_model_as_it_was(tmp_path):
+    """The new offload folder is checked before the old hooks come off: the model keeps its hooks, its
+    map and its values (before, it was left unhooked, its disk part back in RAM, with the old map)."""
+    from torch import nn
+
+    from bigmodel import dispatch_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    expected = model(x)
+    first = {"0": "cpu", "1": "disk"}
+    dispatch_model(model, first, main_device="cpu", offload_dir=tmp_path / "first")
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    with pytest.raises(PermissionError, match="is not writable: it is a file"):
+        dispatch_model(model, {"0": "disk", "1": "disk"}, main_device="cpu", offload_dir=not_a_folder)
+    assert model.hf_device_map == first
+    assert model[1].weight.device.type == "meta" and hasattr(model[1], "_hf_hook")  # still offloaded
+    assert torch.equal(model(x), expected)
+    dispatch_model(model, {"0": "disk", "1": "disk"}, main_device="cpu", offload_dir=tmp_path / "second")
+    assert torch.equal(model(x), expected)  # a writable folder: re-dispatched

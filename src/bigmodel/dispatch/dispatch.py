@@ -35,6 +35,7 @@ from ..offload.storage import (
     extract_submodules_state_dict,
     load_offload_index,
 )
+from ..offload.writer import check_writable
 from ..transfer.pinned import check_pinnable, pin_module_tensors, pin_tensors
 from ..planning.disjoint import disjoint_device_map, module_blocks
 from .checkpoint_dispatch import load_checkpoint_and_dispatch
@@ -42,6 +43,7 @@ from .quantized_offload import quantize_in_ram, store_on_disk, wrap_weights_map
 from .redispatch import (
     _enable_prefetch,
     _guard_moves,
+    _is_dispatched,
     _runs_on_accelerator,
     _undispatch,
     hooks_removed_on_error,
@@ -184,6 +186,24 @@ def _disk_weights(
     return quantized
 
 
+def _check_folder_before_unhooking(model: nn.Module, disk_modules: list[str], offload_dir: Any,
+                                   offload_index: Any) -> None:
+    """Re-dispatching, check the folder the disk part will be written to before the old hooks come off, so
+    that a refused call leaves the dispatched model as it was.  A folder whose index already holds every
+    disk parameter is not written to (read-only media work), so it is not checked.
+
+    Raises:
+        PermissionError: the folder is a file or cannot be written (see :func:`check_writable`).
+    """
+    if not disk_modules or offload_index is not None or offload_dir is None or not _is_dispatched(model):
+        return
+    names = {name for name, _ in model.named_parameters()}
+    needed = extract_submodules_state_dict(dict.fromkeys(names), disk_modules)
+    folder = os.fspath(offload_dir)
+    if set(needed) - set(load_offload_index(folder) if os.path.isdir(folder) else {}):
+        check_writable(folder)
+
+
 def _hooks_offload_folder(model: nn.Module) -> Any:
     """The offload folder the hooks of an earlier dispatch read from (None if there is none)."""
     for module in model.modules():
@@ -295,6 +315,7 @@ def dispatch_model(
     on_cpu = not _runs_on_accelerator(main)
     if not on_cpu and cpu_modules:  # refused before anything is unhooked or pinned
         check_pinnable(extract_submodules_state_dict(model.state_dict(keep_vars=True), cpu_modules).items())
+    _check_folder_before_unhooking(model, disk_modules, offload_dir, offload_index)
     _undispatch(model, "dispatch_model")
     if not on_cpu and state_dict is None and cpu_modules:
         pin_module_tensors(model, cpu_modules)  # in place, an arena at a time: never two copies in RAM

@@ -128,6 +128,33 @@ def warn_replaced(folder: Path, previous: Mapping[str, Any], new: Mapping[str, A
         )
 
 
+def check_writable(folder: str | os.PathLike) -> None:
+    """Create ``folder`` if missing and write (and delete) a probe file in it.
+
+    Raises:
+        PermissionError: ``folder`` is a file, or cannot be created or written (names it and the fix).
+        OSError: ``ENOSPC`` / ``EDQUOT``: the disk is full (see :func:`space_checked`).
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise PermissionError(
+            f"Offload folder {str(folder)!r} is not writable: it is a file, not a folder; pass an "
+            "offload_folder that names a folder (it is created if missing)."
+        )
+    try:
+        with space_checked(folder, "a probe file", 0):
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".bigmodel-probe-")
+            probe.close()
+    except OSError as err:
+        if err.errno in _FULL:
+            raise
+        raise PermissionError(
+            f"Offload folder {str(folder)!r} is not writable ({err.strerror or err}); "
+            "pass an offload_folder you can write to."
+        ) from err
+
+
 class OffloadWriter:
     """Stages tensors for an offload folder, then commits ``index.json`` atomically.
 
@@ -148,23 +175,7 @@ class OffloadWriter:
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
-        if self.folder.exists() and not self.folder.is_dir():
-            raise PermissionError(
-                f"Offload folder {str(self.folder)!r} is not writable: it is a file, not a folder; pass an "
-                "offload_folder that names a folder (it is created if missing)."
-            )
-        try:
-            with space_checked(self.folder, "a probe file", 0):
-                self.folder.mkdir(parents=True, exist_ok=True)
-                probe = tempfile.NamedTemporaryFile(dir=self.folder, prefix=".bigmodel-probe-")
-                probe.close()
-        except OSError as err:
-            if err.errno in _FULL:
-                raise
-            raise PermissionError(
-                f"Offload folder {str(self.folder)!r} is not writable ({err.strerror or err}); "
-                "pass an offload_folder you can write to."
-            ) from err
+        check_writable(self.folder)
         index_to_merge(self.folder)  # refuse a user's index.json before anything is written
         self.index: dict[str, dict] = {}
         self._staged: dict[str, Path] = {}
