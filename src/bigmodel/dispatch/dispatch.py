@@ -94,26 +94,26 @@ def _main_device(device_map: Mapping[str, DeviceSpec]) -> DeviceSpec:
     return "cpu"
 
 
-def _tied_params_map(model: nn.Module) -> tuple[list[list[str]], dict[int, dict]]:
-    tied = find_tied_parameters(model)
+def _tied_params_map(model: nn.Module, tied: list[list[str]]) -> dict[int, dict]:
+    """``data_ptr → {}`` for the tied tensors (``tied``: :func:`find_tied_parameters`) holding values."""
     pointers: dict[int, dict] = {}
     for group in tied:
         for name in group:
-            sub, attr = get_submodule_and_name(model, name)
-            tensor = getattr(sub, attr)
+            tensor = _tensor_at(model, name)
             if tensor.device.type != "meta":
                 pointers[tensor.data_ptr()] = {}
-    return tied, pointers
+    return pointers
 
 
-def _tied_in_memory(model: nn.Module, disk_modules: list[str], index: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def _tied_in_memory(model: nn.Module, tied: list[list[str]], disk_modules: list[str],
+                    index: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Tensors of disk modules that the offload index lacks but whose tied twin holds values in memory.
 
     A checkpoint stores a tied weight once: a head mapped to disk whose weight is tied to embeddings
     kept on cpu has no entry in the folder; its hook reads the twin's value from memory instead.
     """
     out: dict[str, torch.Tensor] = {}
-    for group in find_tied_parameters(model):
+    for group in tied:
         values = [tensor for tensor in (_tensor_at(model, name) for name in group) if tensor.device.type != "meta"]
         for name in group:
             on_disk = any(not m or name == m or name.startswith(m + ".") for m in disk_modules)
@@ -200,7 +200,7 @@ def _check_folder_before_unhooking(model: nn.Module, disk_modules: list[str], of
     names = {name for name, _ in model.named_parameters()}
     needed = extract_submodules_state_dict(dict.fromkeys(names), disk_modules)
     folder = os.fspath(offload_dir)
-    if set(needed) - set(load_offload_index(folder) if os.path.isdir(folder) else {}):
+    if set(needed) - set(load_offload_index(folder)):  # {} where there is no index (or no folder)
         check_writable(folder)
 
 
@@ -325,6 +325,7 @@ def dispatch_model(
         state_dict, in_ram = quantize_in_ram(model, state_dict, form)
     if not on_cpu and state_dict:
         state_dict = pin_tensors(state_dict, owner=model)  # once (never the disk part); freed with the model
+    tied = find_tied_parameters(model)  # nothing below changes which parameters are tied
     # No other offload writes the folder until this model has mapped its files (map_dat_files).
     with folder_lock(offload_dir if disk_modules else None):
         on_disk = _disk_weights(model, disk_modules, offload_dir, offload_index, offload_buffers, form)
@@ -340,7 +341,7 @@ def dispatch_model(
         if state_dict is not None or disk_modules or offload_index is not None:
             if disk_modules and offload_index is None:  # the index _disk_weights wrote ({} if it had nothing to write)
                 offload_index = load_offload_index(offload_dir)
-            twins = _tied_in_memory(model, disk_modules, offload_index or {})
+            twins = _tied_in_memory(model, tied, disk_modules, offload_index or {})
             state_dict = {**(state_dict or {}), **twins} if twins else state_dict
             weights_map = OffloadedWeightsLoader(
                 state_dict=state_dict or {}, save_folder=offload_dir if disk_modules else None, index=offload_index
@@ -348,7 +349,7 @@ def dispatch_model(
             weights_map.map_dat_files()  # the model keeps its .dat values if another offload rewrites the folder
             weights_map = wrap_weights_map(weights_map, form, in_ram, offload_dir if on_disk else None, on_disk)
     place_uncovered_buffers(model, device_map, main)
-    tied, tied_map = _tied_params_map(model)
+    tied_map = _tied_params_map(model, tied)
     with hooks_removed_on_error(model):
         attach_align_device_hook_on_blocks(
             model, execution_device=execution_device, offload=offload, offload_buffers=offload_buffers,
