@@ -173,7 +173,7 @@ def test_a_wrong_guess_is_replaced_by_the_recorded_order(tmp_path, monkeypatch):
         assert advised == set(run_order[: k + 1]), (name, starts)
 
 
-@pytest.mark.parametrize("warm", [0, 2, 4], ids=["first-forward", "order-recorded", "quiet"])
+@pytest.mark.parametrize("warm", [0, 1, 2, 4], ids=["first-forward", "second-forward", "order-recorded", "quiet"])
 def test_reading_ahead_begins_when_the_models_forward_starts(folder, tmp_path, monkeypatch, warm):
     """Also after warm forwards that found nothing to read ahead, whose followers skip the prefetch work
     (``Prefetcher.quiet``): the first disk block's first page, out of RAM, ends the quiet forwards."""
@@ -181,8 +181,9 @@ def test_reading_ahead_begins_when_the_models_forward_starts(folder, tmp_path, m
     model, spans_of = _cold_llama(folder, tmp_path)
     prefetcher = model._hf_hook.prefetcher
     with torch.no_grad():
-        for _ in range(warm):  # the second forward ends the recording of the order
+        for _ in range(warm):  # the second forward's start ends the recording of the order
             model(IDS)
+        assert prefetcher.recording == (warm <= 1)
         assert prefetcher.quiet == (warm > 3)
         if warm:
             _make_cold(folder, spans_of)
@@ -216,9 +217,9 @@ def test_quiet_forwards_skip_the_prefetch_work_and_match(folder, tmp_path, monke
             calls.clear()
             assert torch.equal(model(IDS).logits, expected)
             per_forward.append((prefetcher.quiet, len(calls)))
-    assert [quiet for quiet, _ in per_forward[:3]] == [False] * 3  # recording, the order replaced, a first check
+    assert [quiet for quiet, _ in per_forward[:2]] == [False] * 2  # recording; the order replaced at the start, checked
     assert all(n == (0 if quiet else 2 * len(BLOCKS)) for quiet, n in per_forward), per_forward
-    runs = "".join("q" if quiet else "c" for quiet, _ in per_forward[2:])
+    runs = "".join("q" if quiet else "c" for quiet, _ in per_forward[1:])
     assert runs.startswith("c" + "q" * prefetch.QUIET_FORWARDS + "c" + "q" * prefetch.QUIET_FORWARDS), runs
     prefetcher.invalidate()  # a weights map changed: the next forward checks again
     assert not prefetcher.quiet

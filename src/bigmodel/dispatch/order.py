@@ -3,8 +3,8 @@
 Before the first forward the order is a guess: the hooks in the order of their modules in the
 model (``model.modules()``: registration order, which is the device map's order for a
 transformers model and the execution order of a decoder stack).  The first forward records the
-order the hooks actually run in; when a hook runs a second time (the next forward has begun),
-the recorded order replaces the guess.  Reading ahead along the guess during the first forward
+order the hooks actually run in; when the model's next forward starts (or a hook runs a second
+time), the recorded order replaces the guess.  Reading ahead along the guess during the first forward
 only decides which bytes are read early: a wrong guess costs reads, never a value.
 """
 
@@ -73,6 +73,16 @@ class ExecutionOrder:
         if key not in self._seen:
             self._seen.add(key)
             self._recorded.append(weakref.ref(hook))
+            return False
+        return self.finish()
+
+    def finish(self) -> bool:
+        """End the recording (the model's next forward starts): the recorded order replaces the guess.
+
+        Returns:
+            True when this ended it, False when it had ended already or nothing was recorded yet.
+        """
+        if not self.recording or not self._recorded:
             return False
         self.recording = False
         self._use(self._recorded)  # sizes read again: tensors may have been registered since the guess

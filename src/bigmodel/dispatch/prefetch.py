@@ -178,10 +178,8 @@ class Prefetcher:
                 return  # every module ahead is in RAM and trusted to stay (decode steps of a warm cache)
         first = order.at_start
         changed = order.observe(hook)
-        if changed:  # the recorded order replaces the guess: learn the read-ahead spans again along it
-            self.readahead.reset()
-            self._steady.clear()
-            self._calm = False
+        if changed:
+            self._order_recorded()
         index = order.position.get(id(hook))
         if index is None or self.depth <= 0:
             return
@@ -215,10 +213,16 @@ class Prefetcher:
         if self._pending:
             self._calm = False
 
+    def _order_recorded(self) -> None:
+        """The recorded order replaces the guess: the read-ahead spans are learned again along it."""
+        self.readahead.reset()
+        self._steady.clear()
+        self._calm = False
+
     def forward_starts(self) -> None:
         """The model's own forward starts (its root hook): the storage read-ahead of the first offloaded
         modules begins now rather than when the first of them starts (along the guessed order at the
-        first forward; not at the second, which replaces the guess by the recorded order).
+        first forward, the recorded one from the second on: its start ends the recording).
 
         A forward that found nothing to stage or read ahead (CPU values used in place, all in RAM) is
         followed by ``QUIET_FORWARDS`` *quiet* ones (:attr:`quiet`): the hooks neither take nor schedule
@@ -226,6 +230,8 @@ class Prefetcher:
         RAM (one ``mincore`` call at each start); then a forward checks everything again.
         """
         order, readahead = self.order, self.readahead
+        if order.finish():  # the second forward: read ahead along the recorded order from its start
+            self._order_recorded()
         if self._calm and not self._pending and not readahead.active:
             self._quiet_left = QUIET_FORWARDS
         self._calm = False
