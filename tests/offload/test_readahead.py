@@ -82,6 +82,31 @@ def test_readahead_of_a_disk_offloaded_model_starts_when_its_weights_are_cold(tm
         assert prefetcher.readahead.active  # cold at the forward's start: reading ahead
 
 
+def test_a_cold_model_whose_first_module_was_read_back_is_read_ahead(tmp_path):
+    """The forward after a warm one would skip the prefetch work if the offloaded modules seemed in RAM;
+    the first module's pages alone do not say so (the last forward's staging reads it back).  16 MB
+    modules: reading the first back reads no page of the last (the kernel reads around a fault)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
+    x = torch.randn(2, 2048)
+    expected = model(x)
+    disk_offload(model, tmp_path / "offload", execution_device="cpu")
+    with torch.no_grad():
+        model(x), model(x)  # records the order; the second finds all in RAM: the next may be quiet
+        prefetcher = model[0]._hf_hook.prefetcher
+        drain_workers()
+        dataset = model[0]._hf_hook.weights_map.dataset
+        views = [dataset[f"{i}.{kind}"] for i in range(4) for kind in ("weight", "bias")]
+        readahead.release(readahead.file_spans(views, readahead.file_mappings()))
+        for name in os.listdir(tmp_path / "offload"):
+            drop(str(tmp_path / "offload" / name))
+        float(dataset["0.weight"].sum() + dataset["0.bias"].sum())  # module 0 read back, as staging does
+        spans = [readahead.file_spans([dataset[f"{i}.weight"]], readahead.file_mappings()) for i in (0, 3)]
+        assert readahead.resident(spans[0]) and not readahead.resident(spans[1])
+        assert torch.allclose(model(x), expected, atol=1e-6)
+        assert not prefetcher.quiet and prefetcher.readahead.active
+
+
 def test_reads_in_flight_follow_the_largest_module(tmp_path, monkeypatch):
     """A sixth of the largest module read ahead, from IN_FLIGHT_BYTES to IN_FLIGHT_MAX (64 and 128 MB):
     810 MB decoder layers read faster 128 MB deep, ~100 MB layers 64 MB deep."""

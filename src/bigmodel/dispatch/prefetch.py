@@ -226,8 +226,9 @@ class Prefetcher:
 
         A forward that found nothing to stage or read ahead (CPU values used in place, all in RAM) is
         followed by ``QUIET_FORWARDS`` *quiet* ones (:attr:`quiet`): the hooks neither take nor schedule
-        (the Python work of a warm decode step), while the first offloaded module's first page stays in
-        RAM (one ``mincore`` call at each start); then a forward checks everything again.
+        (the Python work of a warm decode step), while the first pages of a few offloaded modules spread
+        over the order stay in RAM (:meth:`~bigmodel.offload.readahead.ReadAhead.probes_resident`, at each
+        start); then a forward checks everything again.
         """
         order, readahead = self.order, self.readahead
         if order.finish():  # the second forward: read ahead along the recorded order from its start
@@ -235,7 +236,7 @@ class Prefetcher:
         if self._calm and not self._pending and not readahead.active:
             self._quiet_left = QUIET_FORWARDS
         self._calm = False
-        if self._quiet_left > 0 and not self._pending and not readahead.active and readahead.first_resident():
+        if self._quiet_left > 0 and not self._pending and not readahead.active and readahead.probes_resident():
             self._quiet_left -= 1
             self.quiet = True
             return

@@ -224,11 +224,11 @@ class ReadAhead:
             self._spans, self.active, self.streaming, self._early, self._values = None, False, False, False, []
             self._next_used = {}  # positions of the old order
 
-    def first_resident(self) -> bool:
-        """True if the first page of the first module with file-backed values is in RAM (one ``mincore``
-        call), or nothing is read ahead (turned off, no file-backed value); False before :meth:`start`."""
+    def probes_resident(self) -> bool:
+        """True if the first pages of the ``PROBES`` modules spread over the order are in RAM (the first
+        module alone could be the last forward's staging of the next one), or nothing is read ahead."""
         probes = self._probes
-        return not self.enabled or (self._spans is not None and (not probes or resident(probes[:1], last=False)))
+        return not self.enabled or (self._spans is not None and (not probes or resident(probes, last=False)))
 
     def start(self, order: Sequence[Any]) -> None:
         """The model's forward starts, before ``order[0]()``'s module: begin the pass now, so that the first
