@@ -209,3 +209,12 @@ def test_hooking_again_after_the_forward_was_replaced_runs_the_new_hook(lib):
     lib.remove_hook_from_module(module)
     assert module(torch.tensor(1.0)).item() == 3.0
 
+
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__.split(".")[0])
+def test_hooked_forward_wraps_the_old_forward(lib):
+    module = Scale()
+    lib.add_hook_to_module(module, lib.ModelHook())
+    assert module.forward.__wrapped__ == Scale.forward.__get__(module)
+    assert inspect.unwrap(module.forward) == Scale.forward.__get__(module)
+    assert module.forward.__qualname__ == "Scale.forward"
+    assert module.forward.__name__ == "forward"

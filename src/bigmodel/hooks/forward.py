@@ -184,8 +184,9 @@ def _forward_failed(hook: Any, mod: nn.Module) -> None:
 class HookedForward(ModuleBound):
     """``module.forward`` of a hooked module: ``_hf_hook.pre_forward`` → ``_old_forward`` → ``post_forward``.
 
-    ``inspect.signature``, ``__name__`` and ``__doc__`` are those of ``module._old_forward``
-    (transformers reads ``inspect.signature(model.forward)`` to filter ``generate()`` kwargs).
+    ``inspect.signature``, ``__name__``, ``__qualname__`` and ``__doc__`` are those of ``module._old_forward``,
+    and ``__wrapped__`` is ``module._old_forward``, as for accelerate's ``functools.update_wrapper``-ed
+    forward (transformers reads ``inspect.signature(model.forward)`` to filter ``generate()`` kwargs).
     """
 
     __slots__ = ()
@@ -218,6 +219,19 @@ class HookedForward(ModuleBound):
             return inspect.signature(self._wrapped())  # type: ignore[arg-type]
         except (TypeError, ValueError) as err:  # inspect then falls back to (*args, **kwargs)
             raise AttributeError("__signature__") from err
+
+    @property
+    def __wrapped__(self) -> Callable:
+        """``module._old_forward`` (what ``inspect.unwrap`` and ``functools.wraps`` readers follow)."""
+        wrapped = self._wrapped()
+        if wrapped is None:
+            raise AttributeError("__wrapped__")
+        return wrapped
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names the class does not define
+        if name == "__qualname__":  # a class body cannot define it as a property
+            return getattr(self._wrapped(), "__qualname__", "forward")
+        raise AttributeError(name)
 
     @property
     def __name__(self) -> str:  # type: ignore[override]
