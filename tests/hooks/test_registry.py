@@ -218,3 +218,13 @@ def test_hooked_forward_wraps_the_old_forward(lib):
     assert inspect.unwrap(module.forward) == Scale.forward.__get__(module)
     assert module.forward.__qualname__ == "Scale.forward"
     assert module.forward.__name__ == "forward"
+
+
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__.split(".")[0])
+def test_torch_export_of_a_hooked_module(lib):
+    module = Scale()
+    x = torch.tensor([1.0, 2.0])
+    lib.add_hook_to_module(module, lib.ModelHook())
+    assert module._old_forward.__code__ is Scale.forward.__code__  # a bound method's function attributes
+    exported = torch.export.export(module, (x,))  # reads module.forward.__code__ (before: AttributeError)
+    torch.testing.assert_close(exported.module()(x), x * 3.0, rtol=0, atol=0)

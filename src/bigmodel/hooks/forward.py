@@ -56,6 +56,10 @@ class ModuleBound:
         return self
 
 
+_FUNCTION_METADATA = frozenset({"__code__", "__defaults__", "__kwdefaults__", "__annotations__", "__globals__"})
+"""Attributes of a forward function its hooked stand-ins answer (torch.export reads ``forward.__code__``)."""
+
+
 class _OfFunction:
     """An attribute of a :class:`WeakBoundMethod` read from its function (on the class: ``default``)."""
 
@@ -84,7 +88,8 @@ class WeakBoundMethod(ModuleBound):
     __doc__ = _OfFunction("__doc__", __doc__)  # type: ignore[assignment]
 
     def __getattr__(self, name: str) -> Any:  # only reached for names the class does not define
-        if name in ("__name__", "__qualname__"):
+        # As a bound method's, the function's name and code (never its __dict__: torch.compile guards on it).
+        if name in ("__name__", "__qualname__") or name in _FUNCTION_METADATA:
             return _OfFunction(name).__get__(self)
         raise AttributeError(name)
 
@@ -231,6 +236,8 @@ class HookedForward(ModuleBound):
     def __getattr__(self, name: str) -> Any:  # only reached for names the class does not define
         if name == "__qualname__":  # a class body cannot define it as a property
             return getattr(self._wrapped(), "__qualname__", "forward")
+        if name in _FUNCTION_METADATA:  # torch.export reads forward.__code__
+            return getattr(self._wrapped(), name)
         raise AttributeError(name)
 
     @property
