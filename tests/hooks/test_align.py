@@ -472,3 +472,18 @@ def test_skip_keys_that_are_no_keys_are_refused_when_the_hook_is_made(attach):
         assert torch.equal(model(torch.ones(1, 4)), model(torch.ones(1, 4)))
     hook = AlignDevicesHook("cpu", skip_keys=(k for k in ["cache"]))  # an iterable is kept, not consumed
     assert list(hook.skip_keys) == ["cache"]
+
+
+@pytest.mark.parametrize("library", ["bigmodel", "accelerate"])
+def test_a_weights_map_without_a_value_is_a_key_error(library):
+    """accelerate's hook raises KeyError when it looks up the missing value (at the forward); bigmodel
+    refuses when the hook is attached, with an error that is a KeyError and a ValueError naming it."""
+    hooks = pytest.importorskip(f"{library}.hooks")
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(KeyError) as caught:
+        hooks.attach_align_device_hook(model, "cpu", offload=True, weights_map={"0.weight": torch.ones(2, 2)})
+        model(torch.ones(1, 2))
+    if library == "bigmodel":
+        assert isinstance(caught.value, ValueError)
+        assert str(caught.value).startswith("weights_map has no value for 1 tensor(s) of Linear '0': ['bias']")
+        assert all(p.device.type == "cpu" for p in model.parameters())  # refused before any tensor was replaced

@@ -168,3 +168,63 @@ def test_hook_errors_propagate():
     add_hook_to_module(module, Boom())
     with pytest.raises(ValueError, match="boom in pre_forward"):
         module(torch.tensor(1.0))
+
+
+def _libraries():
+    """bigmodel's hook API, and accelerate's where it is installed (the same calls must observe the same)."""
+    import bigmodel.hooks
+
+    libraries = [bigmodel.hooks]
+    try:
+        import accelerate.hooks
+    except ImportError:
+        pass
+    else:
+        libraries.append(accelerate.hooks)
+    return libraries
+
+
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__.split(".")[0])
+def test_no_grad_set_on_a_sequential_hook_is_honoured(lib):
+    module = Scale()
+    lib.add_hook_to_module(module, lib.ModelHook())
+    lib.add_hook_to_module(module, lib.ModelHook(), append=True)
+    assert isinstance(module._hf_hook.hooks, tuple)
+    assert module(torch.tensor(1.0)).requires_grad
+    module._hf_hook.no_grad = True  # accelerate users switch a chain to no_grad this way
+    assert not module(torch.tensor(1.0)).requires_grad
+    assert module._hf_hook.no_grad is True
+
+
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__.split(".")[0])
+def test_hooking_again_after_the_forward_was_replaced_runs_the_new_hook(lib):
+    module = Scale()
+    lib.add_hook_to_module(module, lib.ModelHook())
+    module.forward = lambda x, bias=0.0: x - 100  # replaces the hooked forward
+    assert module(torch.tensor(1.0)).item() == -99.0
+    lib.add_hook_to_module(module, TimesTwo())  # wraps the original forward again
+    assert module(torch.tensor(1.0)).item() == 6.0  # (1 * 3) * 2
+    lib.add_hook_to_module(module, AddOne(), append=True)
+    assert module(torch.tensor(1.0)).item() == 12.0  # ((1 + 1) * 3) * 2
+    lib.remove_hook_from_module(module)
+    assert module(torch.tensor(1.0)).item() == 3.0
+
+
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__.split(".")[0])
+def test_hooked_forward_wraps_the_old_forward(lib):
+    module = Scale()
+    lib.add_hook_to_module(module, lib.ModelHook())
+    assert module.forward.__wrapped__ == Scale.forward.__get__(module)
+    assert inspect.unwrap(module.forward) == Scale.forward.__get__(module)
+    assert module.forward.__qualname__ == "Scale.forward"
+    assert module.forward.__name__ == "forward"
+
+
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__.split(".")[0])
+def test_torch_export_of_a_hooked_module(lib):
+    module = Scale()
+    x = torch.tensor([1.0, 2.0])
+    lib.add_hook_to_module(module, lib.ModelHook())
+    assert module._old_forward.__code__ is Scale.forward.__code__  # a bound method's function attributes
+    exported = torch.export.export(module, (x,))  # reads module.forward.__code__ (before: AttributeError)
+    torch.testing.assert_close(exported.module()(x), x * 3.0, rtol=0, atol=0)

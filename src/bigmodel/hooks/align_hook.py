@@ -38,6 +38,7 @@ from .placeholders import (
     adopt_replaced_buffers,
     assign_tensor,
     check_shape,
+    check_values_present,
     follow_held_dtype,
     inner_hook_follows,
     make_slot,
@@ -188,14 +189,7 @@ class AlignDevicesHook(ModelHook):
         )
         if self.weights_map is None:
             self.weights_map = {name: t.detach().to("cpu") for name, t in tensors}
-        missing = [name for name, _ in tensors if name not in self.weights_map]
-        if missing:  # checked before any tensor is replaced: the module keeps its values
-            where = f" {self.module_name!r}" if self.module_name else ""
-            raise ValueError(
-                f"weights_map has no value for {len(missing)} tensor(s) of {type(module).__name__}{where}: "
-                f"{missing[:10]}; pass a weights_map holding every offloaded tensor (names relative to the "
-                "module), or weights_map=None to offload the module's own values."
-            )
+        check_values_present(self, module, [name for name, _ in tensors])  # before any tensor is replaced
         params = {name for name, _ in module.named_parameters(recurse=self.place_submodules)}
         self._kept.clear()
         for name, tensor in tensors:

@@ -56,6 +56,10 @@ class ModuleBound:
         return self
 
 
+_FUNCTION_METADATA = frozenset({"__code__", "__defaults__", "__kwdefaults__", "__annotations__", "__globals__"})
+"""Attributes of a forward function its hooked stand-ins answer (torch.export reads ``forward.__code__``)."""
+
+
 class _OfFunction:
     """An attribute of a :class:`WeakBoundMethod` read from its function (on the class: ``default``)."""
 
@@ -84,7 +88,8 @@ class WeakBoundMethod(ModuleBound):
     __doc__ = _OfFunction("__doc__", __doc__)  # type: ignore[assignment]
 
     def __getattr__(self, name: str) -> Any:  # only reached for names the class does not define
-        if name in ("__name__", "__qualname__"):
+        # As a bound method's, the function's name and code (never its __dict__: torch.compile guards on it).
+        if name in ("__name__", "__qualname__") or name in _FUNCTION_METADATA:
             return _OfFunction(name).__get__(self)
         raise AttributeError(name)
 
@@ -184,8 +189,9 @@ def _forward_failed(hook: Any, mod: nn.Module) -> None:
 class HookedForward(ModuleBound):
     """``module.forward`` of a hooked module: ``_hf_hook.pre_forward`` → ``_old_forward`` → ``post_forward``.
 
-    ``inspect.signature``, ``__name__`` and ``__doc__`` are those of ``module._old_forward``
-    (transformers reads ``inspect.signature(model.forward)`` to filter ``generate()`` kwargs).
+    ``inspect.signature``, ``__name__``, ``__qualname__`` and ``__doc__`` are those of ``module._old_forward``,
+    and ``__wrapped__`` is ``module._old_forward``, as for accelerate's ``functools.update_wrapper``-ed
+    forward (transformers reads ``inspect.signature(model.forward)`` to filter ``generate()`` kwargs).
     """
 
     __slots__ = ()
@@ -218,6 +224,21 @@ class HookedForward(ModuleBound):
             return inspect.signature(self._wrapped())  # type: ignore[arg-type]
         except (TypeError, ValueError) as err:  # inspect then falls back to (*args, **kwargs)
             raise AttributeError("__signature__") from err
+
+    @property
+    def __wrapped__(self) -> Callable:
+        """``module._old_forward`` (what ``inspect.unwrap`` and ``functools.wraps`` readers follow)."""
+        wrapped = self._wrapped()
+        if wrapped is None:
+            raise AttributeError("__wrapped__")
+        return wrapped
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names the class does not define
+        if name == "__qualname__":  # a class body cannot define it as a property
+            return getattr(self._wrapped(), "__qualname__", "forward")
+        if name in _FUNCTION_METADATA:  # torch.export reads forward.__code__
+            return getattr(self._wrapped(), name)
+        raise AttributeError(name)
 
     @property
     def __name__(self) -> str:  # type: ignore[override]

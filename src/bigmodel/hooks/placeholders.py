@@ -44,8 +44,8 @@ from ..core.tensors import get_submodule_and_name
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "OffloadedParameter", "Slot", "assign_tensor", "make_slot", "offload_source", "placeholder_state",
-    "placeholders_report_execution_device", "placeholders_stay_meta",
+    "MissingOffloadedValueError", "OffloadedParameter", "Slot", "assign_tensor", "check_values_present", "make_slot",
+    "offload_source", "placeholder_state", "placeholders_report_execution_device", "placeholders_stay_meta",
 ]
 
 # Tensor attributes/methods that only read metadata: a placeholder answers them itself (meta).
@@ -314,6 +314,33 @@ def adopt_replaced_buffers(slots: dict[str, Slot], module: nn.Module) -> None:
         held = (module.get_submodule(owner) if owner else module)._buffers.get(leaf)
         if held is not None and held is not slot.placeholder and held.is_meta:
             slot.placeholder = held
+
+
+class MissingOffloadedValueError(KeyError, ValueError):
+    """A weights map lacks the values of tensors a hook offloads (their names are in the message).
+
+    Both a :class:`KeyError` (accelerate's hook raises one when it looks the value up at the
+    forward, and code written for it catches that) and a :class:`ValueError`.
+    """
+
+    def __str__(self) -> str:  # the message as given (KeyError would quote it)
+        return str(self.args[0]) if self.args else ""
+
+
+def check_values_present(hook: Any, module: nn.Module, names: Iterable[str]) -> None:
+    """Refuse to offload ``module`` if ``hook.weights_map`` lacks the value of one of ``names``.
+
+    Raises:
+        MissingOffloadedValueError: naming the module and the missing tensors (before any is replaced).
+    """
+    missing = [name for name in names if name not in hook.weights_map]
+    if missing:
+        where = f" {hook.module_name!r}" if hook.module_name else ""
+        raise MissingOffloadedValueError(
+            f"weights_map has no value for {len(missing)} tensor(s) of {type(module).__name__}{where}: "
+            f"{missing[:10]}; pass a weights_map holding every offloaded tensor (names relative to the "
+            "module), or weights_map=None to offload the module's own values."
+        )
 
 
 def adopt_registered_parameters(hook: Any, module: nn.Module) -> bool:

@@ -74,16 +74,30 @@ class ModelHook:
 class SequentialHook(ModelHook):
     """Several hooks run in order (``pre_forward`` first to last, ``post_forward`` too).
 
+    ``hooks`` is a tuple, as accelerate's.  ``no_grad`` is True when one of the hooks asks for it,
+    unless set on the SequentialHook itself (``module._hf_hook.no_grad = True``), which then wins.
+
     Args:
         *hooks: the hooks, in the order they run.
     """
 
     def __init__(self, *hooks: ModelHook) -> None:
-        self.hooks = list(hooks)
+        self.hooks = hooks
 
     @property
     def no_grad(self) -> bool:  # type: ignore[override]
-        return any(hook.no_grad for hook in self.hooks)
+        """The value set on this hook, else whether any of its hooks runs the forward without grad."""
+        if "_no_grad" in self.__dict__:
+            return self.__dict__["_no_grad"]
+        return any(getattr(hook, "no_grad", False) for hook in self.hooks)
+
+    @no_grad.setter
+    def no_grad(self, value: bool) -> None:
+        self.__dict__["_no_grad"] = value
+
+    @no_grad.deleter
+    def no_grad(self) -> None:
+        self.__dict__.pop("_no_grad", None)
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         for hook in self.hooks:
@@ -161,6 +175,18 @@ def _innermost_last(hooks: list[ModelHook]) -> list[ModelHook]:
     return [hook for hook in hooks if hook not in inner] + inner
 
 
+def _rewrap_forward(module: nn.Module) -> None:
+    """Make ``module.forward`` the hooked forward again if something replaced it after hooking.
+
+    As with accelerate, hooking an already hooked module wraps ``module._old_forward``: a forward
+    assigned to the hooked module in between is dropped (before, the new hook never ran).
+    """
+    forward = module.__dict__.get("forward")
+    if type(forward) is not HookedForward or forward.module is not module:
+        logger.debug("%s.forward was replaced after hooking; the new hook wraps _old_forward.", type(module).__name__)
+        patch_attribute(module, "forward", HookedForward(module))
+
+
 def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False) -> nn.Module:
     """Attach ``hook`` to ``module``: its forward now runs through the hook.
 
@@ -176,14 +202,11 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
     """
     existing = module.__dict__.get("_hf_hook")
     if "_old_forward" in module.__dict__ and existing is not None:
-        if append:
-            module = _init(hook, module)
-            hook = SequentialHook(*_innermost_last([*iter_hooks(existing), hook]))
-            patch_attribute(module, "_hf_hook", hook)
-            return module
-        # Replacing: the previous forward wrapper stays; only the hook changes.
         module = _init(hook, module)
+        if append:
+            hook = SequentialHook(*_innermost_last([*iter_hooks(existing), hook]))
         patch_attribute(module, "_hf_hook", hook)
+        _rewrap_forward(module)
         return module
 
     if "forward" in module.__dict__:
