@@ -130,3 +130,52 @@ def test_calculate_maximum_sizes_uses_no_split_attribute():
     assert (largest, names) == (320, ["2"])
     model[2] = nn.Linear(8, 2, bias=False)
     assert calculate_maximum_sizes(model)[1] == (192, ["1"])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1e3MB", 10**9), ("1E3MB", 10**9), ("+5GB", 5 * 10**9), ("1_000MB", 10**9), ("1e-3GB", 10**6),
+     ("5e3KiB", 5_120_000), ("1.5e0MiB", 1_572_864), ("-0GB", 0)],
+)  # fmt: skip
+def test_size_numbers_are_read_as_float_reads_them(text, expected):
+    """accelerate 1.15 reads the number before the unit with float(): exponents, a sign, underscores."""
+    assert convert_file_size_to_int(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["1__0MB", "1_MB", "_1MB", "1eGB", "infGB", "nanGB", "1e400GB", "-1e3MB", "0x10MB"])
+def test_numbers_float_refuses_or_not_finite_are_still_refused(bad):
+    with pytest.raises(ValueError, match="memory size"):
+        convert_file_size_to_int(bad)
+
+
+_UNITS = ["GB", "MB", "KB", "GiB", "MiB", "KiB"]  # uppercase "B": accelerate reads a lowercase "b" as bits
+
+
+def _size_number():
+    """Strings float() reads, written the ways people write budgets."""
+    from hypothesis import strategies as st
+
+    value = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
+    return st.one_of(
+        st.integers(0, 10**6).map(str),
+        value.map(repr),
+        value.map(lambda v: f"{v:e}"),
+        value.map(lambda v: f"{v:E}"),
+        value.map(lambda v: f"+{v:g}"),
+        st.integers(0, 10**6).map(lambda v: f"{v:_}"),
+    )
+
+
+def test_size_strings_match_accelerate():
+    """Any float-readable number before an uppercase-B unit gives accelerate's byte count."""
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None)
+    @given(number=_size_number(), space=st.sampled_from(["", " "]), unit=st.sampled_from(_UNITS))
+    def check(number, space, unit):
+        text = f"{number}{space}{unit}"
+        assert convert_file_size_to_int(text) == accelerate_modeling.convert_file_size_to_int(text), text
+
+    check()

@@ -33,7 +33,12 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE_STRING = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
+# The number is anything Python's float() reads that a unit can follow: a sign, "_" between digits,
+# an exponent ("1e3MB", "+5GB", "1_000MB"), as accelerate reads it; inf/nan have no digits, so never match.
+_SIZE_STRING = re.compile(
+    r"^\s*(?P<number>[+-]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:e[+-]?\d[\d_]*)?)\s*(?P<unit>[a-z]*)\s*$",
+    re.IGNORECASE,
+)
 # Decimal units written with a lowercase "b" ("10gb", "500Mb"): accelerate reads them as bits (an
 # eighth of the bytes); bigmodel reads bytes and says so once per spelling.
 _BIT_LOOKING_UNITS = ("kb", "mb", "gb")
@@ -75,7 +80,8 @@ def convert_file_size_to_int(size: int | str) -> int:
     Args:
         size: an int (bytes) or a string such as ``"10GiB"``, ``"500MB"``, ``"1.5GB"``,
             ``"2KB"``.  KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2; units are
-            case-insensitive.  A bare number string is bytes.  accelerate reads ``"10gb"`` or
+            case-insensitive.  The number is read as Python's ``float`` reads it (``"1e3MB"``,
+            ``"+5GB"``, ``"1_000MB"``, as accelerate does).  A bare number string is bytes.  accelerate reads ``"10gb"`` or
             ``"500Mb"`` (a lowercase final ``b``) as bits, an eighth of these bytes: such a
             spelling is logged once as a warning.
 
@@ -95,15 +101,24 @@ def convert_file_size_to_int(size: int | str) -> int:
         return int(size)
     if isinstance(size, str):
         match = _SIZE_STRING.match(size)
-        unit = match.group("unit") if match else None
-        if unit is not None and unit.lower() in _SIZE_UNITS:
-            nbytes = int(float(match.group("number")) * _SIZE_UNITS[unit.lower()])
-            _warn_if_bits_in_accelerate(size, match.group("number"), unit, nbytes)
+        number = _float_or_none(match.group("number")) if match else None
+        unit = match.group("unit").lower() if match else None
+        if number is not None and unit in _SIZE_UNITS and 0 <= number * _SIZE_UNITS[unit] < math.inf:
+            nbytes = int(number * _SIZE_UNITS[unit])
+            _warn_if_bits_in_accelerate(size, match.group("number"), match.group("unit"), nbytes)
             return nbytes
     raise ValueError(
         f"Size {size!r} is not a memory size; use bytes (int) or a string such as '10GiB', "
         "'500MB', '1.5GB' (KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2)."
     )
+
+
+def _float_or_none(number: str) -> float | None:
+    """``float(number)``, or None where float refuses it (misplaced underscores: ``"1__0"``, ``"1_"``)."""
+    try:
+        return float(number)
+    except ValueError:
+        return None
 
 
 def _warn_if_bits_in_accelerate(size: str, number: str, unit: str, nbytes: int) -> None:
