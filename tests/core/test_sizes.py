@@ -179,3 +179,32 @@ def test_size_strings_match_accelerate():
         assert convert_file_size_to_int(text) == accelerate_modeling.convert_file_size_to_int(text), text
 
     check()
+
+
+def test_module_sizes_come_in_accelerates_key_order():
+    """Code printing or slicing ``compute_module_sizes(model)`` sees accelerate 1.15's order: per parameter,
+    then per buffer, the enclosing modules outermost first, then the tensor; a tensorless model gives {}."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.BatchNorm1d(2), nn.Linear(2, 1, bias=False)))
+    model.register_buffer("scale", torch.ones(3))
+    expected = ["", "0", "0.weight", "0.bias", "1", "1.0", "1.0.weight", "1.0.bias", "1.1", "1.1.weight",
+                "scale", "1.0.running_mean", "1.0.running_var", "1.0.num_batches_tracked"]  # fmt: skip
+    assert list(compute_module_sizes(model)) == expected
+    assert list(compute_module_sizes(model, buffers_only=True)) == [
+        "", "scale", "1", "1.0", "1.0.running_mean", "1.0.running_var", "1.0.num_batches_tracked"
+    ]  # fmt: skip
+    assert dict(compute_module_sizes(nn.Sequential(nn.ReLU()))) == {}
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    for kwargs in ({}, {"buffers_only": True}, {"dtype": torch.float16}):
+        ours, theirs = compute_module_sizes(model, **kwargs), accelerate_modeling.compute_module_sizes(model, **kwargs)
+        assert list(ours.items()) == list(theirs.items())
+
+
+def test_module_sizes_of_a_tied_transformers_model_match_accelerate_in_order():
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    for kwargs in ({}, {"buffers_only": True}, {"dtype": torch.bfloat16, "special_dtypes": {"lm_head.weight": "float32"}}):
+        ours, theirs = compute_module_sizes(model, **kwargs), accelerate_modeling.compute_module_sizes(model, **kwargs)
+        assert list(ours.items()) == list(theirs.items())

@@ -12,7 +12,7 @@ import logging
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -232,15 +232,25 @@ def planned_size(
     return min(tensor_nbytes(tensor, dtype), tensor_nbytes(tensor))
 
 
-def _direct_tensors(module: nn.Module, buffers: bool, parameters: bool) -> Iterable[tuple[str, torch.Tensor]]:
-    if parameters:
-        for name, param in module._parameters.items():
-            if param is not None:
-                yield name, param
-    if buffers:
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                yield name, buf
+def _unique_tensors(model: nn.Module, buffers_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor once, under its first name: parameters in ``named_parameters`` order, then buffers.
+
+    One walk of the modules (``named_parameters`` and ``named_buffers`` would walk them twice).
+    """
+    seen: set[int] = set()
+    buffers: list[tuple[str, torch.Tensor]] = []
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if not buffers_only:
+            for name, param in module._parameters.items():
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    yield prefix + name, param
+        buffers.extend((prefix + name, buf) for name, buf in module._buffers.items() if buf is not None)
+    for name, buf in buffers:
+        if id(buf) not in seen:
+            seen.add(id(buf))
+            yield name, buf
 
 
 def compute_module_sizes(
@@ -266,25 +276,20 @@ def compute_module_sizes(
     Returns:
         dict name → bytes (ints) for ``""``, every module with tensors under it and every tensor;
         a ``defaultdict(int)``, as accelerate returns, so any other name (a module without
-        tensors: an activation, a dropout) reads 0.
+        tensors: an activation, a dropout) reads 0.  Keys come in accelerate's order: for each
+        parameter (``named_parameters`` order), then each buffer, its enclosing modules from the
+        outermost down, then the tensor (``"", "model", "model.embed", "model.embed.weight", ...``);
+        a model without tensors gives an empty dict.
     """
     sizes: dict[str, int] = defaultdict(int)
-    sizes[""] = 0
-    seen: set[int] = set()
-    for module_name, module in model.named_modules():
-        for tensor_name, tensor in _direct_tensors(module, buffers=True, parameters=not buffers_only):
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            full = f"{module_name}.{tensor_name}" if module_name else tensor_name
-            size = planned_size(tensor, full, dtype, special_dtypes)
-            sizes[full] = sizes.get(full, 0) + size
-            prefix = module_name
-            while True:
-                sizes[prefix] = sizes.get(prefix, 0) + size
-                if not prefix:
-                    break
-                prefix = prefix.rpartition(".")[0]
+    for name, tensor in _unique_tensors(model, buffers_only):
+        size = planned_size(tensor, name, dtype, special_dtypes)
+        sizes[""] += size
+        end = name.find(".")
+        while end != -1:
+            sizes[name[:end]] += size
+            end = name.find(".", end + 1)
+        sizes[name] += size
     return sizes
 
 
