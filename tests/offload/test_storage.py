@@ -137,6 +137,17 @@ def test_prefixed_dataset_and_extract():
     }
 
 
+def test_extracted_entries_come_grouped_by_submodule_name_as_in_accelerate():
+    """accelerate 1.15 takes each name's entries in turn: a caller iterating the result sees the names' order."""
+    weights = {"a.b.w": 1, "a.bc.w": 2, "a.b": 3, "c.w": 4, "a.b.c.d": 5, "d.w": 6}
+    names = ["c", "a.b", "a.b.c"]
+    extracted = extract_submodules_state_dict(weights, names)
+    assert list(extracted.items()) == [("c.w", 4), ("a.b.w", 1), ("a.b", 3), ("a.b.c.d", 5)]
+    assert list(extract_submodules_state_dict(weights, [""])) == list(weights)  # "" is the whole model
+    accelerate_offload = pytest.importorskip("accelerate.utils.offload")
+    assert list(extracted.items()) == list(accelerate_offload.extract_submodules_state_dict(weights, names).items())
+
+
 def test_writer_refuses_folder_that_cannot_be_created(tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(PermissionError, match=r"Offload folder .*a_file/off' is not writable"):
