@@ -267,3 +267,7 @@ def test_safetensors_of_pytorch_or_unknown_format_load(tmp_path, metadata):
     path = tmp_path / "model.safetensors"
     save_file(_tensors(), path, metadata=metadata)
     assert all(torch.equal(load_state_dict(path)[k], v) for k, v in _tensors().items())
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    if metadata is not None and metadata.get("format") != "pt":  # README (session 10): accelerate refuses these
+        with pytest.raises(OSError):
+            accelerate_modeling.load_state_dict(str(path))

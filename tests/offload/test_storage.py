@@ -148,6 +148,14 @@ def test_extracted_entries_come_grouped_by_submodule_name_as_in_accelerate():
     assert list(extracted.items()) == list(accelerate_offload.extract_submodules_state_dict(weights, names).items())
 
 
+def test_offload_weight_without_an_index_returns_a_new_one(tmp_path):
+    """README (session 10): accelerate 1.15 returns None here; the entry is written either way."""
+    index = offload_weight(torch.ones(2, 3, dtype=torch.bfloat16), "w", tmp_path)
+    assert index == {"w": {"dtype": "bfloat16", "shape": [2, 3]}}
+    assert offload_weight(torch.zeros(4), "v", tmp_path, index) is index and list(index) == ["w", "v"]
+    assert torch.equal(load_offloaded_weight(str(tmp_path / "w.dat"), index["w"]), torch.ones(2, 3, dtype=torch.bfloat16))
+
+
 def test_writer_refuses_folder_that_cannot_be_created(tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(PermissionError, match=r"Offload folder .*a_file/off' is not writable"):
