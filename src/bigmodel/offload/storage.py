@@ -182,30 +182,16 @@ def offload_state_dict(save_dir: str | os.PathLike, state_dict: Mapping[str, tor
 
 
 def extract_submodules_state_dict(state_dict: Mapping[str, Any], submodule_names: Iterable[str]) -> dict[str, Any]:
-    """The entries of ``state_dict`` that belong to any of ``submodule_names`` (the name or below it).
-
-    Args:
-        state_dict: name → tensor (any mapping).
-        submodule_names: module names; ``""`` is the whole model (every entry).
+    """The entries of ``state_dict`` under any of ``submodule_names`` (``""``: the whole model).
 
     Returns:
-        A new dict, in accelerate's order: the entries of the first name (in ``state_dict``'s
-        order), then those of the next name not already taken, and so on.
+        A new dict: each name's entries (the name or below it) in turn, as accelerate orders them.
     """
     members: dict[str, list[str]] = {name: [] for name in submodule_names}
-    for key in state_dict:
-        prefix = key
-        while True:  # the key, then each enclosing module's name, then "" (one dict lookup each)
-            if prefix in members:
-                members[prefix].append(key)
-            if not prefix:
-                break
-            prefix = prefix.rpartition(".")[0]
-    result: dict[str, Any] = {}
-    for keys in members.values():
-        for key in keys:
-            result.setdefault(key, state_dict[key])
-    return result
+    for key, parts in ((key, key.split(".")) for key in state_dict):
+        for end in range(len(parts), -1, -1):  # the key, each enclosing module's name, then "" (the model)
+            members.get(".".join(parts[:end]), []).append(key)
+    return {key: state_dict[key] for keys in members.values() for key in keys}
 
 
 class OffloadedWeightsLoader(Mapping):
