@@ -148,6 +148,24 @@ def test_extracted_entries_come_grouped_by_submodule_name_as_in_accelerate():
     assert list(extracted.items()) == list(accelerate_offload.extract_submodules_state_dict(weights, names).items())
 
 
+def test_extracted_entries_match_accelerate_on_any_names():
+    """Random dotted names and submodule names (prefix look-alikes: "1" and "10", "a" and "ab")."""
+    accelerate_offload = pytest.importorskip("accelerate.utils.offload")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    name = st.lists(st.sampled_from(["a", "ab", "b", "0", "1", "10"]), min_size=1, max_size=4).map(".".join)
+
+    @settings(max_examples=300, deadline=None)
+    @given(keys=st.lists(name, max_size=8, unique=True), names=st.lists(name, max_size=4))
+    def check(keys, names):
+        state = {key: index for index, key in enumerate(keys)}
+        ours = extract_submodules_state_dict(state, names)
+        assert list(ours.items()) == list(accelerate_offload.extract_submodules_state_dict(state, names).items())
+
+    check()
+
+
 def test_offload_weight_without_an_index_returns_a_new_one(tmp_path):
     """README (session 10): accelerate 1.15 returns None here; the entry is written either way."""
     index = offload_weight(torch.ones(2, 3, dtype=torch.bfloat16), "w", tmp_path)
