@@ -208,3 +208,48 @@ def test_module_sizes_of_a_tied_transformers_model_match_accelerate_in_order():
     for kwargs in ({}, {"buffers_only": True}, {"dtype": torch.bfloat16, "special_dtypes": {"lm_head.weight": "float32"}}):
         ours, theirs = compute_module_sizes(model, **kwargs), accelerate_modeling.compute_module_sizes(model, **kwargs)
         assert list(ours.items()) == list(theirs.items())
+
+
+def _random_model(data):
+    """A nested model drawn by hypothesis: Linear/Embedding leaves, buffers, a reused module, tied weights."""
+    from hypothesis import strategies as st
+
+    def build(depth):
+        module = nn.Module()
+        for i in range(data.draw(st.integers(0 if depth else 1, 3))):
+            kind = data.draw(st.sampled_from(["linear", "embed", "buffer", "nested"] if depth < 2 else ["linear", "buffer"]))
+            if kind == "linear":
+                module.add_module(f"m{i}", nn.Linear(data.draw(st.integers(1, 4)), 2, bias=data.draw(st.booleans())))
+            elif kind == "embed":
+                module.add_module(f"m{i}", nn.Embedding(3, 2))
+            elif kind == "buffer":
+                module.register_buffer(f"b{i}", torch.zeros(data.draw(st.integers(1, 3)), dtype=torch.int64),
+                                       persistent=data.draw(st.booleans()))  # fmt: skip
+            else:
+                module.add_module(f"m{i}", build(depth + 1))
+        return module
+
+    model = build(0)
+    leaves = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    if len(leaves) >= 2 and data.draw(st.booleans()):
+        model.add_module("again", leaves[0])  # one module under two names
+    same_shape = [m for m in leaves[1:] if m.weight.shape == leaves[0].weight.shape] if leaves else []
+    if same_shape:
+        same_shape[-1].weight = leaves[0].weight  # tied
+    return model
+
+
+def test_module_sizes_match_accelerate_in_order_on_random_models():
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None)
+    @given(data=st.data(), dtype=st.sampled_from([None, torch.float16]), buffers_only=st.booleans())
+    def check(data, dtype, buffers_only):
+        model = _random_model(data)
+        ours = compute_module_sizes(model, dtype=dtype, buffers_only=buffers_only)
+        theirs = accelerate_modeling.compute_module_sizes(model, dtype=dtype, buffers_only=buffers_only)
+        assert list(ours.items()) == list(theirs.items())
+
+    check()
