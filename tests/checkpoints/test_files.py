@@ -231,3 +231,43 @@ def test_pickle_that_is_not_a_state_dict(tmp_path):
     (tmp_path / "junk.bin").write_bytes(b"not a pickle at all")
     with pytest.raises(ValueError, match=r"junk\.bin.*not a readable torch checkpoint.*Unsupported operand"):
         load_state_dict(tmp_path / "junk.bin")
+
+
+# ---------------------------------------------------------------- files other frameworks saved
+
+
+@pytest.mark.parametrize(("fmt", "framework"), [("tf", "TensorFlow"), ("flax", "Flax")])
+def test_safetensors_saved_by_another_framework_is_refused(tmp_path, fmt, framework):
+    """accelerate 1.15 raises ValueError for such a file; bigmodel did load its tensors as PyTorch's."""
+    path = tmp_path / "model.safetensors"
+    save_file(_tensors(), path, metadata={"format": fmt})
+    with pytest.raises(ValueError, match=rf"model\.safetensors.*saved by {framework}.*'{fmt}'"):
+        load_state_dict(path)
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    with pytest.raises(ValueError):
+        accelerate_modeling.load_state_dict(str(path))
+
+
+def test_a_model_load_from_another_frameworks_file_changes_nothing(tmp_path):
+    from torch import nn
+
+    from bigmodel import load_checkpoint_in_model
+
+    model = nn.Linear(5, 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    save_file({"weight": torch.ones(3, 5), "bias": torch.ones(3)}, tmp_path / "model.safetensors",
+              metadata={"format": "tf"})  # fmt: skip
+    with pytest.raises(ValueError, match="saved by TensorFlow"):
+        load_checkpoint_in_model(model, tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}, {"format": "mlx"}, {"note": "no format"}])
+def test_safetensors_of_pytorch_or_unknown_format_load(tmp_path, metadata):
+    path = tmp_path / "model.safetensors"
+    save_file(_tensors(), path, metadata=metadata)
+    assert all(torch.equal(load_state_dict(path)[k], v) for k, v in _tensors().items())
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    if metadata is not None and metadata.get("format") != "pt":  # README (session 10): accelerate refuses these
+        with pytest.raises(OSError):
+            accelerate_modeling.load_state_dict(str(path))

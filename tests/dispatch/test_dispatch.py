@@ -572,3 +572,35 @@ def test_a_redispatch_to_a_folder_it_cannot_write_leaves_the_dispatched_model_as
     assert torch.equal(model(x), expected)
     dispatch_model(model, {"0": "disk", "1": "disk"}, main_device="cpu", offload_dir=tmp_path / "second")
     assert torch.equal(model(x), expected)  # a writable folder: re-dispatched
+
+
+class _WithOwnTensors(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((3,), 2.0))
+        self.first = nn.Linear(3, 3)
+        self.second = nn.Linear(3, 3)
+        self.register_buffer("shift", torch.ones(3))
+
+    def forward(self, x):
+        return self.second(self.first(x) * self.scale) + self.shift
+
+
+def test_offloaded_state_dict_is_the_models_own_state_dict_root_tensors_included(tmp_path):
+    """README (session 10): every entry of ``state_dict()``, in its order; accelerate 1.15 leaves out the root's
+    own ``scale`` and ``shift``."""
+    torch.manual_seed(0)
+    model = _WithOwnTensors()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    dispatch_model(model, {"first": "disk", "second": "cpu", "scale": "cpu", "shift": "cpu"}, offload_dir=tmp_path)
+    state = get_state_dict_offloaded_model(model)
+    assert list(state) == list(expected) == ["scale", "shift", "first.weight", "first.bias", "second.weight",
+                                             "second.bias"]  # fmt: skip
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.utils.modeling import get_state_dict_offloaded_model as accelerates_state_dict
+
+    theirs = _WithOwnTensors()
+    accelerate.dispatch_model(theirs, {"first": "disk", "second": "cpu", "scale": "cpu", "shift": "cpu"},
+                              offload_dir=tmp_path / "theirs")  # fmt: skip
+    assert list(accelerates_state_dict(theirs)) == ["first.weight", "first.bias", "second.weight", "second.bias"]

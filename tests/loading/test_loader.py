@@ -385,3 +385,21 @@ def test_memory_tensors_take_the_model_dtype_disk_keeps_the_checkpoint(tmp_path)
     loader = OffloadedWeightsLoader(save_folder=tmp_path / "off")
     assert loader["blocks.0.linear.weight"].dtype == torch.float16
     assert all("safetensors_file" in e for e in loader.index.values())
+
+
+def test_keep_in_fp32_names_match_whole_segments_unlike_accelerate(tmp_path):
+    """README: ``["norm"]`` keeps ``norm`` float32, not ``input_norm``; accelerate 1.15 keeps both."""
+    model = nn.ModuleDict({"norm": nn.LayerNorm(2), "input_norm": nn.LayerNorm(2), "proj": nn.Linear(2, 2)})
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
+
+    def dtypes(load):
+        fresh = nn.ModuleDict({"norm": nn.LayerNorm(2), "input_norm": nn.LayerNorm(2), "proj": nn.Linear(2, 2)})
+        load(fresh, str(tmp_path / "model.safetensors"), device_map={"": "cpu"}, dtype=torch.float16,
+             keep_in_fp32_modules=["norm"])  # fmt: skip
+        return {name: p.dtype for name, p in fresh.named_parameters() if name.endswith("weight")}
+
+    ours = dtypes(load_checkpoint_in_model)
+    assert ours == {"norm.weight": torch.float32, "input_norm.weight": torch.float16, "proj.weight": torch.float16}
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    theirs = dtypes(accelerate_modeling.load_checkpoint_in_model)
+    assert theirs == {**ours, "input_norm.weight": torch.float32}

@@ -137,6 +137,43 @@ def test_prefixed_dataset_and_extract():
     }
 
 
+def test_extracted_entries_come_grouped_by_submodule_name_as_in_accelerate():
+    """accelerate 1.15 takes each name's entries in turn: a caller iterating the result sees the names' order."""
+    weights = {"a.b.w": 1, "a.bc.w": 2, "a.b": 3, "c.w": 4, "a.b.c.d": 5, "d.w": 6}
+    names = ["c", "a.b", "a.b.c"]
+    extracted = extract_submodules_state_dict(weights, names)
+    assert list(extracted.items()) == [("c.w", 4), ("a.b.w", 1), ("a.b", 3), ("a.b.c.d", 5)]
+    assert list(extract_submodules_state_dict(weights, [""])) == list(weights)  # "" is the whole model
+    accelerate_offload = pytest.importorskip("accelerate.utils.offload")
+    assert list(extracted.items()) == list(accelerate_offload.extract_submodules_state_dict(weights, names).items())
+
+
+def test_extracted_entries_match_accelerate_on_any_names():
+    """Random dotted names and submodule names (prefix look-alikes: "1" and "10", "a" and "ab")."""
+    accelerate_offload = pytest.importorskip("accelerate.utils.offload")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    name = st.lists(st.sampled_from(["a", "ab", "b", "0", "1", "10"]), min_size=1, max_size=4).map(".".join)
+
+    @settings(max_examples=300, deadline=None)
+    @given(keys=st.lists(name, max_size=8, unique=True), names=st.lists(name, max_size=4))
+    def check(keys, names):
+        state = {key: index for index, key in enumerate(keys)}
+        ours = extract_submodules_state_dict(state, names)
+        assert list(ours.items()) == list(accelerate_offload.extract_submodules_state_dict(state, names).items())
+
+    check()
+
+
+def test_offload_weight_without_an_index_returns_a_new_one(tmp_path):
+    """README (session 10): accelerate 1.15 returns None here; the entry is written either way."""
+    index = offload_weight(torch.ones(2, 3, dtype=torch.bfloat16), "w", tmp_path)
+    assert index == {"w": {"dtype": "bfloat16", "shape": [2, 3]}}
+    assert offload_weight(torch.zeros(4), "v", tmp_path, index) is index and list(index) == ["w", "v"]
+    assert torch.equal(load_offloaded_weight(str(tmp_path / "w.dat"), index["w"]), torch.ones(2, 3, dtype=torch.bfloat16))
+
+
 def test_writer_refuses_folder_that_cannot_be_created(tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(PermissionError, match=r"Offload folder .*a_file/off' is not writable"):

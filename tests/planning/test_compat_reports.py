@@ -110,3 +110,28 @@ def test_buffers_of_offloaded_modules_keep_room_on_the_execution_device():
     assert infer_auto_device_map(_pr_2412_model(), dict(budgets)) == {"": "cpu"}
     offloaded = infer_auto_device_map(_pr_2412_model(), dict(budgets), offload_buffers=True)
     assert offloaded == {"linear1": 0, "batchnorm": "cpu", "linear2": "cpu"}
+
+
+def _tiny_t5():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=100, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
+    with init_empty_weights():
+        return transformers.T5ForConditionalGeneration(config)
+
+
+def test_fallback_allocation_also_works_when_the_module_that_did_not_fit_has_ties():
+    """README (session 10): T5's ``shared`` (tied to both embed_tokens and lm_head) does not fit the CPU; the
+    fallback still finds ``encoder.final_layer_norm`` for it. accelerate 1.15 skips the fallback there."""
+    model = _tiny_t5()
+    budget = {"cpu": 53_760}  # 30% of the model; the largest layer (a decoder block) leaves 3,712 bytes
+    plain = infer_auto_device_map(model, max_memory=dict(budget), no_split_module_classes=["T5Block"])
+    assert set(plain.values()) == {"disk"}
+    fallback = infer_auto_device_map(
+        model, max_memory=dict(budget), no_split_module_classes=["T5Block"], fallback_allocation=True
+    )
+    assert [name for name, device in fallback.items() if device == "cpu"] == ["encoder.final_layer_norm"]
+    accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+    theirs = accelerate_modeling.infer_auto_device_map(
+        model, max_memory=dict(budget), no_split_module_classes=["T5Block"], fallback_allocation=True
+    )
+    assert dict(theirs) == {"": "disk"}

@@ -159,6 +159,30 @@ def test_no_split_name_matching_nothing_warns_with_the_fix():
     assert [w.filename for w in caught] == [__file__]  # attributed to the caller's line
 
 
+def test_a_model_list_naming_some_absent_classes_plans_without_a_warning(caplog, recwarn):
+    """transformers' ``_no_split_modules`` can name classes a configuration lacks (BartForCausalLM: the encoder
+    layer); accelerate 1.15 plans silently, so bigmodel warns only when no name matches (logs the rest)."""
+    with caplog.at_level(logging.INFO, logger="bigmodel.planning.device_map"):
+        device_map = infer_auto_device_map(Blocks(3), {0: 450, 1: 10_000}, no_split_module_classes=["Block", "Gone"])
+    assert device_map == {"": 1} and not [w for w in recwarn if issubclass(w.category, UserWarning)]
+    assert "['Gone'] match no module of Blocks" in caplog.text
+
+
+def test_bart_for_causal_lm_with_its_own_no_split_list_matches_accelerate_silently(recwarn):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1,
+                                     decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                                     vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    with init_empty_weights():
+        model = transformers.BartForCausalLM(config)
+    no_split = sorted(model._no_split_modules)
+    assert no_split == ["BartDecoderLayer", "BartEncoderLayer"]  # no encoder in a causal LM
+    ours = infer_auto_device_map(model, max_memory={"cpu": 100_000}, no_split_module_classes=no_split)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+    accelerate = pytest.importorskip("accelerate")
+    assert ours == dict(accelerate.infer_auto_device_map(model, max_memory={"cpu": 100_000}, no_split_module_classes=no_split))
+
+
 def test_no_split_module_moves_whole_to_the_next_device():
     device_map = infer_auto_device_map(Blocks(3), {0: 450, 1: 10_000}, no_split_module_classes=["Block"])
     assert device_map == {"": 1}

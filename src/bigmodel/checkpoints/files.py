@@ -100,7 +100,7 @@ class SafetensorsFile:
 
     Raises:
         PermissionError / FileNotFoundError / OSError: the file cannot be opened (names it and the fix).
-        ValueError: the file is truncated or its header is corrupted (names the file).
+        ValueError: the file is truncated, its header is corrupted, or TensorFlow/Flax saved it (names the file).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -173,7 +173,7 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
 
     Raises:
         PermissionError / FileNotFoundError / OSError: the file cannot be opened (names it and the fix).
-        ValueError: the file is truncated or its header is corrupted (names the file).
+        ValueError: the file is truncated, its header is corrupted, or TensorFlow/Flax saved it (names the file).
     """
     check_readable(path)  # safetensors words an unreadable file as a missing one, then we would call it corrupted
     try:
@@ -187,7 +187,7 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
+    _check_torch_format(path, header.pop("__metadata__", None))
     if set(header) != set(names):
         raise ValueError(f"Checkpoint file {str(path)!r} has an inconsistent header; save it again.")
     unknown = sorted({e["dtype"] for e in header.values()} - set(SAFETENSORS_DTYPES))
@@ -195,6 +195,28 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
         raise ValueError(f"Checkpoint file {str(path)!r} uses dtypes this torch cannot read: {unknown}; upgrade torch.")
     ordered = dict(sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]))
     return ordered, 8 + length
+
+
+def _check_torch_format(path: Path, metadata: object) -> None:
+    """Refuse a file whose metadata says TensorFlow or Flax wrote it (as accelerate does).
+
+    Such files hold another framework's names and layouts (transposed kernels); loaded as
+    PyTorch tensors they fill nothing or the wrong thing.  No metadata, ``"pt"`` or another
+    ``format`` (mlx, custom tools) is read as PyTorch tensors.
+
+    Raises:
+        ValueError: ``format`` is ``"tf"`` or ``"flax"`` (names the file and the format).
+    """
+    written_by = metadata.get("format") if isinstance(metadata, dict) else None
+    if written_by in _OTHER_FRAMEWORKS:
+        raise ValueError(
+            f"Checkpoint file {str(path)!r} was saved by {_OTHER_FRAMEWORKS[written_by]} (metadata format "
+            f"{written_by!r}); its tensor names and layouts are not PyTorch's. Load the model's PyTorch "
+            "weights instead (a file saved from PyTorch: metadata format 'pt' or none)."
+        )
+
+
+_OTHER_FRAMEWORKS = {"tf": "TensorFlow", "flax": "Flax"}
 
 
 # ---------------------------------------------------------------- reading
@@ -324,7 +346,8 @@ def load_state_dict(
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError / pickle.UnpicklingError: the file is corrupted, unsafe or of an unknown type.
+        ValueError / pickle.UnpicklingError: the file is corrupted, unsafe or of an unknown type, or a
+            safetensors file saved by TensorFlow or Flax (its metadata ``format`` is ``"tf"``/``"flax"``).
     """
     path = Path(checkpoint_file)
     if not path.is_file():

@@ -12,7 +12,7 @@ import logging
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -33,7 +33,12 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE_STRING = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
+# The number is anything Python's float() reads that a unit can follow: a sign, "_" between digits,
+# an exponent ("1e3MB", "+5GB", "1_000MB"), as accelerate reads it; inf/nan have no digits, so never match.
+_SIZE_STRING = re.compile(
+    r"^\s*(?P<number>[+-]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:e[+-]?\d[\d_]*)?)\s*(?P<unit>[a-z]*)\s*$",
+    re.IGNORECASE,
+)
 # Decimal units written with a lowercase "b" ("10gb", "500Mb"): accelerate reads them as bits (an
 # eighth of the bytes); bigmodel reads bytes and says so once per spelling.
 _BIT_LOOKING_UNITS = ("kb", "mb", "gb")
@@ -75,7 +80,8 @@ def convert_file_size_to_int(size: int | str) -> int:
     Args:
         size: an int (bytes) or a string such as ``"10GiB"``, ``"500MB"``, ``"1.5GB"``,
             ``"2KB"``.  KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2; units are
-            case-insensitive.  A bare number string is bytes.  accelerate reads ``"10gb"`` or
+            case-insensitive.  The number is read as Python's ``float`` reads it (``"1e3MB"``,
+            ``"+5GB"``, ``"1_000MB"``, as accelerate does).  A bare number string is bytes.  accelerate reads ``"10gb"`` or
             ``"500Mb"`` (a lowercase final ``b``) as bits, an eighth of these bytes: such a
             spelling is logged once as a warning.
 
@@ -95,15 +101,24 @@ def convert_file_size_to_int(size: int | str) -> int:
         return int(size)
     if isinstance(size, str):
         match = _SIZE_STRING.match(size)
-        unit = match.group("unit") if match else None
-        if unit is not None and unit.lower() in _SIZE_UNITS:
-            nbytes = int(float(match.group("number")) * _SIZE_UNITS[unit.lower()])
-            _warn_if_bits_in_accelerate(size, match.group("number"), unit, nbytes)
+        number = _float_or_none(match.group("number")) if match else None
+        unit = match.group("unit").lower() if match else None
+        if number is not None and unit in _SIZE_UNITS and 0 <= number * _SIZE_UNITS[unit] < math.inf:
+            nbytes = int(number * _SIZE_UNITS[unit])
+            _warn_if_bits_in_accelerate(size, match.group("number"), match.group("unit"), nbytes)
             return nbytes
     raise ValueError(
         f"Size {size!r} is not a memory size; use bytes (int) or a string such as '10GiB', "
         "'500MB', '1.5GB' (KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2)."
     )
+
+
+def _float_or_none(number: str) -> float | None:
+    """``float(number)``, or None where float refuses it (misplaced underscores: ``"1__0"``, ``"1_"``)."""
+    try:
+        return float(number)
+    except ValueError:
+        return None
 
 
 def _warn_if_bits_in_accelerate(size: str, number: str, unit: str, nbytes: int) -> None:
@@ -217,15 +232,25 @@ def planned_size(
     return min(tensor_nbytes(tensor, dtype), tensor_nbytes(tensor))
 
 
-def _direct_tensors(module: nn.Module, buffers: bool, parameters: bool) -> Iterable[tuple[str, torch.Tensor]]:
-    if parameters:
-        for name, param in module._parameters.items():
-            if param is not None:
-                yield name, param
-    if buffers:
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                yield name, buf
+def _unique_tensors(model: nn.Module, buffers_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor once, under its first name: parameters in ``named_parameters`` order, then buffers.
+
+    One walk of the modules (``named_parameters`` and ``named_buffers`` would walk them twice).
+    """
+    seen: set[int] = set()
+    buffers: list[tuple[str, torch.Tensor]] = []
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if not buffers_only:
+            for name, param in module._parameters.items():
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    yield prefix + name, param
+        buffers.extend((prefix + name, buf) for name, buf in module._buffers.items() if buf is not None)
+    for name, buf in buffers:
+        if id(buf) not in seen:
+            seen.add(id(buf))
+            yield name, buf
 
 
 def compute_module_sizes(
@@ -251,25 +276,20 @@ def compute_module_sizes(
     Returns:
         dict name → bytes (ints) for ``""``, every module with tensors under it and every tensor;
         a ``defaultdict(int)``, as accelerate returns, so any other name (a module without
-        tensors: an activation, a dropout) reads 0.
+        tensors: an activation, a dropout) reads 0.  Keys come in accelerate's order: for each
+        parameter (``named_parameters`` order), then each buffer, its enclosing modules from the
+        outermost down, then the tensor (``"", "model", "model.embed", "model.embed.weight", ...``);
+        a model without tensors gives an empty dict.
     """
     sizes: dict[str, int] = defaultdict(int)
-    sizes[""] = 0
-    seen: set[int] = set()
-    for module_name, module in model.named_modules():
-        for tensor_name, tensor in _direct_tensors(module, buffers=True, parameters=not buffers_only):
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            full = f"{module_name}.{tensor_name}" if module_name else tensor_name
-            size = planned_size(tensor, full, dtype, special_dtypes)
-            sizes[full] = sizes.get(full, 0) + size
-            prefix = module_name
-            while True:
-                sizes[prefix] = sizes.get(prefix, 0) + size
-                if not prefix:
-                    break
-                prefix = prefix.rpartition(".")[0]
+    for name, tensor in _unique_tensors(model, buffers_only):
+        size = planned_size(tensor, name, dtype, special_dtypes)
+        sizes[""] += size
+        end = name.find(".")
+        while end != -1:
+            sizes[name[:end]] += size
+            end = name.find(".", end + 1)
+        sizes[name] += size
     return sizes
 
 

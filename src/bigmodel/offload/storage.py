@@ -182,13 +182,16 @@ def offload_state_dict(save_dir: str | os.PathLike, state_dict: Mapping[str, tor
 
 
 def extract_submodules_state_dict(state_dict: Mapping[str, Any], submodule_names: Iterable[str]) -> dict[str, Any]:
-    """The entries of ``state_dict`` that belong to any of ``submodule_names`` (the name or below it)."""
-    names = list(submodule_names)
-    return {
-        key: value
-        for key, value in state_dict.items()
-        if any(not n or key == n or key.startswith(n + ".") for n in names)
-    }
+    """The entries of ``state_dict`` under any of ``submodule_names`` (``""``: the whole model).
+
+    Returns:
+        A new dict: each name's entries (the name or below it) in turn, as accelerate orders them.
+    """
+    members: dict[str, list[str]] = {name: [] for name in submodule_names}
+    for key, parts in ((key, key.split(".")) for key in state_dict):
+        for end in range(len(parts), -1, -1):  # the key, each enclosing module's name, then "" (the model)
+            members.get(".".join(parts[:end]), []).append(key)
+    return {key: state_dict[key] for keys in members.values() for key in keys}
 
 
 class OffloadedWeightsLoader(Mapping):
