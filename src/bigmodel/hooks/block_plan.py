@@ -6,9 +6,8 @@ members and of their tensors.  At the next forward, :func:`put_in_plan` checks i
 everything a member's own load would check is unchanged (the member's hooks and forward, whether
 it offloads, its registered parameters and offloaded names, its weights map, execution device and
 each value's token, the placeholder's dtype and ``requires_grad``, grad mode, tied values) and then
-puts the same
-Parameters in; :func:`put_back_plan` puts the placeholders back.  Anything different and the
-block falls back to the member-by-member path, which puts in exactly what a load would.
+puts the same Parameters in; :func:`put_back_plan` puts the placeholders back.  Anything
+different and the block falls back to the member-by-member path, which puts in exactly what a load would.
 """
 
 from __future__ import annotations
