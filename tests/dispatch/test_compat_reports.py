@@ -70,3 +70,26 @@ def test_removing_the_hooks_of_an_offloaded_load_gives_a_plain_model(checkpoint)
     model.to("cpu")
     with torch.no_grad():
         assert torch.equal(model(IDS), expected)
+
+
+@pytest.mark.parametrize("library", [accelerate, bigmodel], ids=["accelerate", "bigmodel"])
+def test_a_one_device_dispatch_of_weights_still_on_meta_raises_not_implemented_error(library):
+    # 1038lab/ComfyUI-QwenVL#53 (and many alike): dispatch_model with a one-device map moves the model
+    # with .to(), which fails on tensors that were never loaded.  Both raise NotImplementedError.
+    with library.init_empty_weights():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(NotImplementedError):
+        library.dispatch_model(model, {"": "cpu"})
+
+
+def test_the_one_device_dispatch_error_names_the_tensors_and_the_fix():
+    # accelerate passes torch's "Cannot copy out of meta tensor; no data!" through; bigmodel names the
+    # tensors without values and how to give them one (also a ValueError), and leaves the model as it was.
+    with bigmodel.init_empty_weights():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].weight = nn.Parameter(torch.ones(4, 4))
+    with pytest.raises(ValueError, match=r"3 tensor\(s\) of Sequential are on the meta device.*0\.bias, 1\.weight, "
+                                         r"1\.bias.*load_checkpoint_and_dispatch.*to_empty"):  # fmt: skip
+        bigmodel.dispatch_model(model, {"": "cpu"})
+    assert model[1].weight.is_meta and not model[0].weight.is_meta
+    assert not hasattr(model, "hf_device_map")
