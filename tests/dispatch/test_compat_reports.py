@@ -93,3 +93,38 @@ def test_the_one_device_dispatch_error_names_the_tensors_and_the_fix():
         bigmodel.dispatch_model(model, {"": "cpu"})
     assert model[1].weight.is_meta and not model[0].weight.is_meta
     assert not hasattr(model, "hf_device_map")
+
+
+def _other_weights() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    torch.manual_seed(1)
+    other = _Net().eval()
+    with torch.no_grad():
+        return other.state_dict(), other(IDS)
+
+
+def test_accelerate_load_state_dict_leaves_offloaded_layers_with_their_old_values(checkpoint):
+    # Loading fine-tuned weights into a dispatched model: accelerate copies into the meta placeholders
+    # (a no-op, with torch's "copying ... to a meta parameter" warning), so the disk layers keep the old
+    # values and the model computes with a mix of both.
+    folder, expected = checkpoint
+    state, other_output = _other_weights()
+    model = _loaded(accelerate, folder)
+    with pytest.warns(UserWarning, match="to a meta parameter"):
+        model.load_state_dict(state)
+    with torch.no_grad():
+        out = model(IDS)
+    assert not torch.equal(out, other_output) and not torch.equal(out, expected)
+
+
+def test_load_state_dict_reaches_the_offloaded_layers(checkpoint):
+    # On bigmodel an op on a placeholder acts on the value in the weights map, so load_state_dict's copy
+    # reaches the disk layers too: the model computes with the new weights, as a plain model would.  The
+    # values change in memory only: the checkpoint (and a fresh load of it) keep the old ones.
+    folder, expected = checkpoint
+    state, other_output = _other_weights()
+    model = _loaded(bigmodel, folder)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(model(IDS), other_output)
+        assert torch.equal(model(IDS), other_output)
+        assert torch.equal(_loaded(bigmodel, folder)(IDS), expected)
