@@ -3,6 +3,7 @@ second forward on, and falls back to the member-by-member path as soon as anythi
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 from bigmodel.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from bigmodel.hooks import members as members_module
 from bigmodel.hooks.forward import HookedForward
+from bigmodel.utils import align_module_device, has_offloaded_params
 
 BLOCK = "model.layers.1"
 
@@ -165,4 +167,30 @@ def test_a_changed_execution_device_ends_the_plan(folder, tmp_path, reference, c
             hook.execution_device = "cpu"
         torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
         torch.testing.assert_close(model(IDS).logits, reference(IDS).logits)
+    _placeholders_back(block)
+
+
+def test_members_whose_offloading_was_turned_back_on_are_loaded_again(model, reference):
+    # vllm-project/compressed-tensors' align_modules (used by llm-compressor's sequential pipelines): each
+    # module of a block is put in with align_module_device and its hook's offload set to False while the
+    # model runs, then set back.  A plan made meanwhile (no member offloading) must not serve the block
+    # once they offload again: before, the next forwards ran the members with meta placeholders, each op
+    # loading the weight on its own (a warning suggesting preload_module_classes).
+    block = model.get_submodule(BLOCK)
+    seen = []
+    handle = block.mlp.up_proj.register_forward_pre_hook(lambda module, args: seen.append(module.weight.is_meta))
+    with torch.no_grad():
+        expected = reference(IDS).logits
+        with contextlib.ExitStack() as stack:
+            for module in block.modules():
+                if has_offloaded_params(module):
+                    stack.enter_context(align_module_device(module))
+                    module._hf_hook.offload = False
+                    stack.callback(setattr, module._hf_hook, "offload", True)
+            for _ in range(2):
+                torch.testing.assert_close(model(IDS).logits, expected)
+        for _ in range(2):
+            torch.testing.assert_close(model(IDS).logits, expected)
+    handle.remove()
+    assert seen == [False] * 4
     _placeholders_back(block)

@@ -76,6 +76,20 @@ def test_sequential_cpu_offload_is_bit_exact(on, reference_image: torch.Tensor) 
     assert torch.equal(pipe(PROMPT_IDS, latents()), reference_image)
 
 
+def test_switching_between_offload_modes_is_bit_exact(on, reference_image: torch.Tensor) -> None:
+    # huggingface/diffusers#2907 and PR #7448: each enable_* call removes the hooks the previous one
+    # attached (pipe.remove_all_hooks) and attaches its own.  With accelerate 1.15 on the CPU, sequential
+    # offload after model offload fails at the next call (TypeError from a Parameter rebuilt as a plain
+    # Tensor) and a second enable_sequential_cpu_offload fails removing the hooks; bigmodel runs them all.
+    pipe = tiny_pipeline()
+    for enable in ("model", "model", "sequential", "sequential", "model"):
+        getattr(pipe, f"enable_{enable}_cpu_offload")(device="cpu")
+        assert torch.equal(pipe(PROMPT_IDS, latents()), reference_image), enable
+    pipe.remove_all_hooks()
+    assert not any(p.is_meta for p in pipe.unet.parameters())
+    assert torch.equal(pipe(PROMPT_IDS, latents()), reference_image)
+
+
 def test_unet_with_a_disk_device_map_is_bit_exact(on, unet_folder: Path, tmp_path: Path, unet_reference) -> None:
     offload = tmp_path / "offload"
     unet = UNet2DConditionModel.from_pretrained(str(unet_folder), device_map=UNET_SPLIT, offload_folder=str(offload))

@@ -44,3 +44,28 @@ def test_an_unexpected_key_with_strict_is_caught_as_runtime_or_value_error(extra
     with pytest.raises(caught, match=r"unexpected keys \(1\): 2\.weight"):
         load_checkpoint_in_model(model, extra_key_checkpoint, device_map=device_map, strict=True, offload_folder=tmp_path / "off")
     assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())  # nothing loaded
+
+
+@pytest.fixture
+def missing_key_checkpoint(tmp_path):
+    state = dict(_two_linears().state_dict())
+    del state["1.bias"]
+    path = tmp_path / "missing.safetensors"
+    save_file(state, path)
+    return path
+
+
+@pytest.mark.parametrize("device_map", [None, {"": "cpu"}])
+def test_the_incumbent_loads_a_checkpoint_missing_a_key_with_strict(missing_key_checkpoint, device_map):
+    # accelerate 1.15 checks only unexpected keys (huggingface/accelerate PR #2641 added `strict` to
+    # load_checkpoint_and_dispatch): without a map it loads through torch's set_model_state_dict, which
+    # does not raise for it; with a map the key is never looked for.  The model keeps its own value.
+    model = _two_linears()
+    accelerate.load_checkpoint_in_model(model, str(missing_key_checkpoint), device_map=device_map, strict=True)
+    assert torch.equal(model[1].bias, _two_linears()[1].bias)
+
+
+@pytest.mark.parametrize("device_map", [None, {"": "cpu"}])
+def test_a_missing_key_with_strict_is_refused_naming_it(missing_key_checkpoint, device_map):
+    with pytest.raises(ValueError, match=r"missing keys \(1\): 1\.bias"):
+        load_checkpoint_in_model(_two_linears(), missing_key_checkpoint, device_map=device_map, strict=True)

@@ -48,6 +48,7 @@ from .redispatch import (
     _undispatch,
     hooks_removed_on_error,
 )
+from .meta_values import refuse_meta_tensors
 from .uncovered import place_uncovered_buffers
 from .whole_model import (
     cpu_offload,
@@ -290,6 +291,8 @@ def dispatch_model(
 
     Raises:
         TypeError: ``device_map`` is not a mapping.
+        MetaTensorError: a one-device map (no hooks) would move tensors still on ``meta`` (a
+            ``NotImplementedError`` and a ``ValueError``; names them and the fix).
         ValueError: the map does not cover the model, disk parts have no ``offload_dir``, or
             ``offload_dir``'s index lacks (or describes with another shape/dtype) tensors that are
             on ``meta`` in the model.
@@ -303,6 +306,7 @@ def dispatch_model(
                for d in device_map.values()}
     if len(devices) == 1 and not force_hooks and "disk" not in devices:
         _undispatch(model, "dispatch_model")
+        refuse_meta_tensors(model, next(iter(device_map.values())))
         model.to(next(iter(device_map.values())))  # a single device: just move the model
         model.hf_device_map = dict(given)
         return model

@@ -3,11 +3,11 @@
 When every offloading member of a block put in only values it kept from an earlier forward
 (:mod:`bigmodel.hooks.kept`), the block's hook records a :class:`BlockPlan`: flat lists of the
 members and of their tensors.  At the next forward, :func:`put_in_plan` checks in one pass that
-everything a member's own load would check is unchanged (the member's hooks and forward, its
-registered parameters and offloaded names, its weights map, execution device and each value's token, the
-placeholder's dtype and ``requires_grad``, grad mode, tied values) and then puts the same
-Parameters in; :func:`put_back_plan` puts the placeholders back.  Anything different and the
-block falls back to the member-by-member path, which puts in exactly what a load would.
+everything a member's own load would check is unchanged (the member's hooks and forward, whether
+it offloads, its registered parameters and offloaded names, its weights map, execution device and
+each value's token, the placeholder's dtype and ``requires_grad``, grad mode, tied values) and then
+puts the same Parameters in; :func:`put_back_plan` puts the placeholders back.  Anything
+different and the block falls back to the member-by-member path, which puts in exactly what a load would.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from .forward import WeakBoundMethod
 from .kept import _current as current
 
 # (member.__dict__, the member's hook, its hooked forward, the forward set on the instance before
-# hooking (None: the class's forward))
-_Member = tuple[dict, Any, Any, Any]
+# hooking (None: the class's forward), the hook's offload flag when the plan was made)
+_Member = tuple[dict, Any, Any, Any, bool]
 # (the member's _parameters, its hook, count of those parameters, count of the hook's offloaded names,
 # the hook's weights map, its execution_device as the values were built for): checked for each member that offloads
 _Offloading = tuple[dict, Any, int, int, Any, Any]
@@ -78,7 +78,7 @@ def make_plan(bypassed: list[tuple[nn.Module, Any, Any]], members: int) -> Block
     for member, hook, hooked in bypassed:
         state = member.__dict__
         old = state.get("_old_forward")
-        plan_members.append((state, hook, hooked, None if type(old) is WeakBoundMethod else old))
+        plan_members.append((state, hook, hooked, None if type(old) is WeakBoundMethod else old, hook.offload))
         if not hook.offload:
             continue
         kept = hook.__dict__.get("_kept")
@@ -103,8 +103,10 @@ def put_in_plan(plan: BlockPlan, grad: bool) -> PlannedBypass | None:
         plan was made (nothing was put in: the member-by-member path does the load).
     """
     members = plan.members
-    for state, hook, hooked, _ in members:
-        if state.get("_hf_hook") is not hook or state.get("forward") is not hooked:
+    for state, hook, hooked, _, offload in members:
+        # a member whose offloading was turned back on (align_modules-style code sets hook.offload to
+        # False while it holds the weights in) loads them again: the plan holds nothing for it
+        if state.get("_hf_hook") is not hook or state.get("forward") is not hooked or hook.offload != offload:
             return None
     for params, hook, n_params, n_slots, weights_map, device in plan.offloading:
         if (not hook.offload or len(params) != n_params or len(hook._slots) != n_slots
@@ -120,7 +122,7 @@ def put_in_plan(plan: BlockPlan, grad: bool) -> PlannedBypass | None:
                     return None
         for params, name, _, entry, _, _, _ in tensors:
             params[name] = entry.loaded
-    for state, _, _, old in members:
+    for state, _, _, old, _ in members:
         if old is None:
             del state["forward"]  # the class's forward runs
         else:
@@ -148,6 +150,6 @@ def put_back_plan(taken: PlannedBypass) -> bool:
                     return False
         for params, name, slot, _, _, _, _ in tensors:
             params[name] = slot.placeholder
-    for state, _, hooked, _ in plan.members:
+    for state, _, hooked, _, _ in plan.members:
         state["forward"] = hooked
     return True

@@ -160,8 +160,9 @@ def _materialize(obj: Any) -> Any:
     if (module_name, name) not in _WARNED:
         _WARNED.add((module_name, name))
         logger.warning(
-            "Offloaded tensor %r was used outside its module's forward (a parent module reads a child's "
-            "weight directly); it is loaded for each such use. Add the parent's class to "
+            "Offloaded tensor %r was used outside its module's forward (a parent module reading a child's "
+            "weight directly, or an op such as load_state_dict's copy); its value in the weights map is used "
+            "for each such use. If a parent module reads it in its forward, add the parent's class to "
             "`preload_module_classes` to load it once per forward.",
             full,
         )
