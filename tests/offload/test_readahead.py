@@ -62,12 +62,18 @@ def test_release_drops_pages_and_the_values_read_back_the_same(tmp_path):
     assert torch.equal(mapped, expected)  # a released page is read again from the file
 
 
-def test_readahead_of_a_disk_offloaded_model_starts_when_its_weights_are_cold(tmp_path):
+def _disk_offloaded_linears(tmp_path, dim: int) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+    """Four ``dim`` x ``dim`` Linears offloaded to a folder, an input, and the output before offloading."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
-    x = torch.randn(2, 512)
+    model = nn.Sequential(*[nn.Linear(dim, dim) for _ in range(4)])
+    x = torch.randn(2, dim)
     expected = model(x)
     disk_offload(model, tmp_path / "offload", execution_device="cpu")
+    return model, x, expected
+
+
+def test_readahead_of_a_disk_offloaded_model_starts_when_its_weights_are_cold(tmp_path):
+    model, x, expected = _disk_offloaded_linears(tmp_path, 512)
     with torch.no_grad():
         model(x)  # learns the order
         assert torch.allclose(model(x), expected, atol=1e-6)
@@ -86,11 +92,7 @@ def test_a_cold_model_whose_first_module_was_read_back_is_read_ahead(tmp_path):
     """The forward after a warm one would skip the prefetch work if the offloaded modules seemed in RAM;
     the first module's pages alone do not say so (the last forward's staging reads it back).  16 MB
     modules: reading the first back reads no page of the last (the kernel reads around a fault)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
-    x = torch.randn(2, 2048)
-    expected = model(x)
-    disk_offload(model, tmp_path / "offload", execution_device="cpu")
+    model, x, expected = _disk_offloaded_linears(tmp_path, 2048)
     with torch.no_grad():
         model(x), model(x)  # records the order; the second finds all in RAM: the next may be quiet
         prefetcher = model[0]._hf_hook.prefetcher
