@@ -232,25 +232,39 @@ def planned_size(
     return min(tensor_nbytes(tensor, dtype), tensor_nbytes(tensor))
 
 
-def _unique_tensors(model: nn.Module, buffers_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor once, under its first name: parameters in ``named_parameters`` order, then buffers.
+def _unique_tensors(model: nn.Module, buffers_only: bool) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(module name, tensor name, tensor)`` for each tensor once, under its first name: parameters in
+    ``named_parameters`` order, then buffers.
 
     One walk of the modules (``named_parameters`` and ``named_buffers`` would walk them twice).
     """
     seen: set[int] = set()
-    buffers: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, str, torch.Tensor]] = []
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         if not buffers_only:
             for name, param in module._parameters.items():
                 if param is not None and id(param) not in seen:
                     seen.add(id(param))
-                    yield prefix + name, param
-        buffers.extend((prefix + name, buf) for name, buf in module._buffers.items() if buf is not None)
-    for name, buf in buffers:
+                    yield module_name, prefix + name, param
+        buffers.extend((module_name, prefix + name, buf) for name, buf in module._buffers.items() if buf is not None)
+    for module_name, name, buf in buffers:
         if id(buf) not in seen:
             seen.add(id(buf))
-            yield name, buf
+            yield module_name, name, buf
+
+
+def _enter_module(sizes: dict[str, int], modules: list[str], name: str) -> None:
+    """Give ``name`` and its enclosing modules not in ``sizes`` yet a key, outermost first (``""`` too)."""
+    chain = []
+    while name not in sizes:
+        chain.append(name)
+        if not name:
+            break
+        name = name.rpartition(".")[0]
+    for entered in reversed(chain):
+        sizes[entered] = 0
+        modules.append(entered)
 
 
 def compute_module_sizes(
@@ -282,14 +296,16 @@ def compute_module_sizes(
         a model without tensors gives an empty dict.
     """
     sizes: dict[str, int] = defaultdict(int)
-    for name, tensor in _unique_tensors(model, buffers_only):
+    modules: list[str] = []  # the module keys, each after the modules enclosing it
+    for owner, name, tensor in _unique_tensors(model, buffers_only):
+        if owner not in sizes:
+            _enter_module(sizes, modules, owner)
         size = planned_size(tensor, name, dtype, special_dtypes)
-        sizes[""] += size
-        end = name.find(".")
-        while end != -1:
-            sizes[name[:end]] += size
-            end = name.find(".", end + 1)
-        sizes[name] += size
+        sizes[name] = size
+        sizes[owner] += size  # its own tensors here; those of the modules below it added next
+    for name in reversed(modules):  # every module after those below it
+        if name:
+            sizes[name.rpartition(".")[0]] += sizes[name]
     return sizes
 
 
