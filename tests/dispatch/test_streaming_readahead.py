@@ -101,8 +101,10 @@ def _owners(spans_of: dict[str, set[tuple[int, int]]], span: tuple[int, int]) ->
     return {name for name, spans in spans_of.items() if span in spans}
 
 
-def test_streaming_keeps_spread_modules_releases_on_its_own_thread_and_reads_the_next_pass_on(
-        folder, tmp_path, monkeypatch):  # fmt: skip
+def _streamed(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: int | None):
+    """(model, its in-memory logits, block name -> spans, its ReadAhead, recorded calls): the model loaded
+    with the disk blocks cold and a page cache too small for them, reading ``ahead`` blocks ahead (None:
+    the default)."""
     monkeypatch.delenv(readahead.ENV, raising=False)
     gc.collect()
     config = transformers.AutoConfig.from_pretrained(str(folder))
@@ -120,8 +122,40 @@ def test_streaming_keeps_spread_modules_releases_on_its_own_thread_and_reads_the
     drain_workers()
     drop(folder / "model.safetensors")
     reads = hooks[BLOCKS[0]].prefetcher.readahead
-    reads.window, reads.available = 1, AVAILABLE  # one block ahead; a page cache too small for the disk part
-    calls = Calls(monkeypatch)
+    reads.window, reads.available = 1, AVAILABLE  # at least one block; a page cache too small for the disk part
+    if ahead is not None:
+        reads.stream_ahead = ahead
+    return model, expected, spans_of, reads, Calls(monkeypatch)
+
+
+def _asked_after_release(calls: Calls, spans_of: dict[str, set[tuple[int, int]]], name: str) -> bool:
+    """True if every piece of block ``name`` was asked for after its last release."""
+    releases = [i for i, (kind, span, _) in enumerate(calls.events)
+                if kind == "release" and name in _owners(spans_of, span)]
+    asked = {span for kind, span, _ in calls.events[max(releases):] if kind == "need"}
+    return {piece for span in spans_of[name] for piece in readahead.pieces(span)} <= asked
+
+
+def test_streaming_reads_two_released_blocks_ahead(folder, tmp_path, monkeypatch):
+    """By default the end of a pass reads on into the next pass's first *two* released blocks (with the
+    kept block between them), where one block ahead reads only the first."""
+    first, second = [name for name in BLOCKS if name not in KEPT][:2]
+    for ahead, read_back in ((None, [True, True]), (1, [True, False])):
+        model, expected, spans_of, reads, calls = _streamed(folder, tmp_path / str(ahead), monkeypatch, ahead)
+        with torch.no_grad():
+            for _ in range(2):
+                calls.events.clear()
+                assert torch.equal(model(IDS).logits, expected)
+                drain_workers()
+                assert reads._reach == (ahead or 2) * max(reads._bytes)
+                assert [_asked_after_release(calls, spans_of, name) for name in (first, second)] == read_back
+        del model
+        monkeypatch.undo()
+
+
+def test_streaming_keeps_spread_modules_releases_on_its_own_thread_and_reads_the_next_pass_on(
+        folder, tmp_path, monkeypatch):  # fmt: skip
+    model, expected, spans_of, reads, calls = _streamed(folder, tmp_path, monkeypatch, ahead=1)
     with torch.no_grad():
         for forward in range(3):
             assert torch.equal(model(IDS).logits, expected)

@@ -12,8 +12,11 @@ it compute.  When the offloaded bytes exceed what the page cache can hold, a mod
 released once it has run (``madvise(MADV_PAGEOUT)``, else ``MADV_COLD``: clean file pages are
 dropped, so the kernel does not evict what is needed next instead), except for modules spread
 evenly over the execution order that fit in half of the available memory and stay cached from one
-forward to the next (fewer bytes read per forward; :func:`spread_kept`).  While streaming, the
-window counts only the bytes of released modules (the kept ones are in RAM), and the end of a pass
+forward to the next (fewer bytes read per forward; :func:`spread_kept`).  While streaming, reading
+reaches ``STREAM_AHEAD`` (2) of the largest modules ahead (the kept modules take from the first half
+of the available memory, these from the second: a module that computes slowly, or the resident layers
+before the first offloaded one, no longer find the disk idle with one module read), counting only
+the bytes of released modules (the kept ones are in RAM), and the end of a pass
 reads on into the next one's first released modules (:meth:`ReadAhead._wrap`): decoding, the
 disk never waits for a forward's start.
 
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -58,6 +60,7 @@ from .file_spans import (  # noqa: F401 (re-exported)
 )
 from .file_spans import PAGE as _PAGE
 from .pages import available_memory
+from .spread import spread_kept
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ RETAIN_FRACTION = 0.5  # of the available memory, for the prefix kept cached bet
 STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory: release after use
 IN_FLIGHT_BYTES = 64 << 20  # bytes asked for and not yet arrived, at most (InOrder)
 IN_FLIGHT_MAX = 128 << 20  # the same for modules of more than 6 x 128 MB (see in_flight_for)
+STREAM_AHEAD = 2  # streaming: largest modules' bytes read ahead of the running module (see ReadAhead._plan)
 
 def _executor() -> ThreadPoolExecutor:
     return worker("bigmodel-readahead")
@@ -199,6 +203,8 @@ class ReadAhead:
                  available: int | None = None) -> None:
         self.read = read
         self.window = window
+        self.stream_ahead = STREAM_AHEAD
+        self._reach = window  # bytes read ahead of the running module in this plan (see _plan)
         self.available = available
         self.active = False  # reading ahead (the weights were found not resident at a forward's start)
         self.streaming = False  # releasing used modules (the offloaded bytes exceed the page cache)
@@ -269,7 +275,7 @@ class ReadAhead:
         position = max(self._ahead, index)
         while position < count:
             if position > index:
-                if ahead + cost[position] > self.window:
+                if ahead + cost[position] > self._reach:
                     break
                 ahead += cost[position]
             jobs.append((self._read(position), self._spans[position], self._values))  # type: ignore[index]
@@ -300,7 +306,7 @@ class ReadAhead:
         jobs = []
         while self._next < index - 1:
             size = self._cost[self._next]
-            if ahead + size > self.window:
+            if ahead + size > self._reach:
                 break
             ahead += size
             if size:
@@ -344,38 +350,16 @@ class ReadAhead:
             # place of the running one of the two windows of pages in use that the budget leaves out.
             self._kept = spread_kept(self._bytes[:-1], RETAIN_FRACTION * available - 2 * self.window) + [True]
             self._cost = [0 if kept else size for kept, size in zip(self._kept, self._bytes)]
+            # Reading ``stream_ahead`` modules ahead (in the other half of the available memory) keeps the
+            # disk busy while a slow module computes, and during the resident modules before the first one.
+            self._reach = max(self.window, self.stream_ahead * max(self._bytes, default=0))
         else:
             self._kept, self._cost = [True] * count, list(self._bytes)
-        logger.debug("Reading offloaded weights ahead: %.2f GB in %d modules, window %.0f MB, %s",
-                      total / 1e9, count, self.window / 1e6,
+            self._reach = self.window
+        logger.debug("Reading offloaded weights ahead: %.2f GB in %d modules, %.0f MB ahead, %s",
+                      total / 1e9, count, self._reach / 1e6,
                       f"releasing used modules but {sum(self._kept)} spread over the order" if self.streaming
                       else "no release")
-
-
-def spread_kept(sizes: Sequence[int], budget: float) -> list[bool]:
-    """Which modules of an execution order stay in RAM between forwards (True) when they do not all
-    fit: as many as ``budget`` bytes hold, spread evenly over the order.
-
-    Spread rather than a prefix: each kept module then computes while the disk reads the next
-    released one, where a kept prefix would compute with the disk idle at every forward's start.
-    The positions evenly spaced for the most modules that could fit come first; where their sizes
-    differ, whatever else fits is kept after them, in order.
-
-    Args:
-        sizes: bytes of each module, in execution order.
-        budget: bytes the kept modules may take (nothing is kept when it is not positive).
-    """
-    count, used, most = len(sizes), 0, 0
-    for size in sorted(sizes):  # the most modules that could fit: the smallest ones
-        if used + size > budget:
-            break
-        used, most = used + size, most + 1
-    spaced = [(2 * j + 1) * count // (2 * most) for j in range(most)]
-    kept, left = [False] * count, budget
-    for i in spaced + list(range(count)):
-        if not kept[i] and sizes[i] <= left:
-            kept[i], left = True, left - sizes[i]
-    return kept
 
 
 def _release(spans: list[Span], keep: object, reads: InOrder | None = None) -> None:
