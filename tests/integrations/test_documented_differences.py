@@ -1,8 +1,9 @@
-"""Two differences from accelerate 1.15 that README's compatibility section documents, run on both.
+"""Differences from accelerate 1.15 that README's compatibility section documents, run on both.
 
 - ``load_checkpoint_and_dispatch(no_split_module_classes=None)`` on a transformers model plans with
   the model's ``_no_split_modules``; ``[]`` gives accelerate's map.
 - ``init_empty_weights`` keeps transformers 5's tied weights tied (accelerate's does not).
+- a whole model mapped to disk loads from one safetensors file (accelerate raises).
 """
 
 from __future__ import annotations
@@ -78,3 +79,28 @@ def test_init_empty_weights_keeps_tied_weights_tied(tmp_path: Path) -> None:
     assert untied.hf_device_map["lm_head"] == "disk"
     with pytest.raises(KeyError, match="lm_head.weight"), torch.no_grad():
         untied(ids)
+
+
+@pytest.mark.parametrize("device_map", [{"": "disk"}, "auto"])
+def test_a_whole_model_on_disk_loads_from_one_safetensors_file(tmp_path: Path, device_map) -> None:
+    """accelerate 1.15 raises ``SafetensorError: device disk is invalid`` when the map puts the whole model on
+    disk (``{"": "disk"}``, also what ``"auto"`` gives under a budget too small for any layer) and the checkpoint
+    is one safetensors file; bigmodel offloads it and computes as the model loaded whole."""
+    folder = write_tiny_llama(tmp_path / "m", tokenizer=False)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    ids = torch.tensor([[3, 9, 4]])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        expected = reference(ids).logits
+    kwargs = {"device_map": device_map, **({"max_memory": {"cpu": 1000}} if device_map == "auto" else {})}
+    with bigmodel.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model = bigmodel.load_checkpoint_and_dispatch(model, str(folder), offload_folder=str(tmp_path / "own"), **kwargs)
+    assert model.hf_device_map == {"": "disk"}
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    accelerate = pytest.importorskip("accelerate")
+    with accelerate.init_empty_weights():
+        theirs = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(Exception, match="device disk is invalid"):
+        accelerate.load_checkpoint_and_dispatch(theirs, str(folder), offload_folder=str(tmp_path / "acc"), **kwargs)
