@@ -3,7 +3,7 @@
 - ``load_checkpoint_and_dispatch(no_split_module_classes=None)`` on a transformers model plans with
   the model's ``_no_split_modules``; ``[]`` gives accelerate's map.
 - ``init_empty_weights`` keeps transformers 5's tied weights tied (accelerate's does not).
-- a whole model mapped to disk loads from one safetensors file (accelerate raises).
+- a whole model mapped to disk loads from a safetensors checkpoint (accelerate raises).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_init_empty_weights_keeps_tied_weights_tied(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("device_map", [{"": "disk"}, "auto"])
-def test_a_whole_model_on_disk_loads_from_one_safetensors_file(tmp_path: Path, device_map) -> None:
+def test_a_whole_model_on_disk_loads_from_a_safetensors_checkpoint(tmp_path: Path, device_map) -> None:
     """accelerate 1.15 raises ``SafetensorError: device disk is invalid`` when the map puts the whole model on
     disk (``{"": "disk"}``, also what ``"auto"`` gives under a budget too small for any layer) and the checkpoint
     is one safetensors file; bigmodel offloads it and computes as the model loaded whole."""
