@@ -514,24 +514,44 @@ def test_cpu_offload_with_hook_to_accelerator_pins_once(reference, transfer_call
     assert not hasattr(first, "_hf_hook") and torch.equal(first(IDS), expected)
 
 
+def test_an_offload_index_lacking_a_value_the_model_holds_reads_it_from_memory(tmp_path) -> None:
+    """transformers passes an index of the checkpoint's tensors only; a tensor it initialised itself (a new
+    head) is in memory.  Its hook reads that value (accelerate 1.15: KeyError at the forward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.randn(2, 4)
+    expected = model(x)
+    offload_state_dict(tmp_path, {k: v for k, v in model.state_dict().items() if not k.startswith("2.")})
+    index = json.loads((tmp_path / "index.json").read_text())
+    dispatch_model(model, {"": "disk"}, offload_dir=tmp_path, offload_index=index)
+    assert model[2].weight.device.type == "meta"
+    assert torch.equal(model(x), expected)
+    assert torch.equal(model(x), expected)
+
+
 @pytest.mark.parametrize("offload", ["cpu_offload", "dispatch_model"])
 def test_a_refused_offload_leaves_no_module_half_offloaded(offload, tmp_path) -> None:
     """A state_dict lacking the last module's bias is refused when that module is hooked; the modules
     hooked before it must not stay offloaded (they did: hooks left on, weights on meta, and
-    ``model.to(...)`` then failed with torch's set_data error)."""
+    ``model.to(...)`` then failed with torch's set_data error).  An offload index lacking a value the
+    model holds in memory is not refused (the hook reads it from memory), so with dispatch_model the
+    bias is on ``meta`` too: it has no value anywhere."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
     x = torch.randn(2, 4)
     expected = model(x)
     partial = {k: v for k, v in model.state_dict().items() if k != "2.bias"}
+    bias = model[2].bias
     with pytest.raises(ValueError, match=r"weights_map has no value for 1 tensor\(s\) of Linear '2': \['bias'\]"):
         if offload == "cpu_offload":
             cpu_offload(model, execution_device="cpu", state_dict=partial)
         else:
             offload_state_dict(tmp_path, partial)
             index = json.loads((tmp_path / "index.json").read_text())
+            model[2].bias = nn.Parameter(bias.detach().to("meta"))
             dispatch_model(model, {"": "disk"}, offload_dir=tmp_path, offload_index=index)
     assert [name for name, m in model.named_modules() if hasattr(m, "_hf_hook")] == []
+    model[2].bias = bias
     assert all(p.device.type == "cpu" for p in model.parameters())
     model.to(torch.float64).to(torch.float32)
     assert torch.equal(model(x), expected)

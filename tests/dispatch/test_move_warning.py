@@ -28,3 +28,14 @@ def test_moving_a_model_dispatched_on_one_device_warns_without_claiming_several(
     assert "several devices" not in messages[0]
     assert ".to()" in messages[0] and "hooks" in messages[0] and "'cpu'" in messages[0]
     assert torch.equal(model(x), expected)
+
+
+def test_the_move_warning_opens_with_the_incumbents_words(caplog):
+    """Code matches accelerate's warning by its text (log scanners, ``"you shouldn't move a model that is
+    dispatched"``); bigmodel's opens with the same sentence, its explanation follows."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    dispatch_model(model, {"0": "cpu", "1": "cpu"}, force_hooks=True)
+    with caplog.at_level(logging.WARNING, logger="bigmodel"):
+        model.to("cpu")
+    [message] = [record.getMessage() for record in caplog.records]
+    assert message.startswith("You shouldn't move a model that is dispatched using accelerate hooks. ")

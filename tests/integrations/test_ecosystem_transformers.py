@@ -145,3 +145,34 @@ def test_a_tied_head_on_disk_with_its_embeddings_on_cpu_runs(on, tmp_path: Path)
     expected_logits, expected_tokens = outputs(whole(tied))
     assert torch.equal(logits, expected_logits)
     assert torch.equal(tokens, expected_tokens)
+
+
+@pytest.mark.parametrize(
+    "device_map",
+    [
+        pytest.param({"bert.embeddings": "cpu", "bert.encoder": "cpu", "bert.pooler": "disk", "classifier": "disk",
+                      "dropout": "cpu"}, id="new-head-on-disk"),  # fmt: skip
+        pytest.param("auto", id="auto-all-on-disk"),
+    ],
+)
+def test_a_new_head_mapped_to_disk_runs_with_its_initialised_values(on, tmp_path: Path, device_map) -> None:
+    """A classification head the checkpoint lacks (a BertModel checkpoint loaded as
+    BertForSequenceClassification), mapped to disk: transformers initialises it in memory and passes an
+    offload index of the checkpoint's tensors only.  Its hook reads the initialised values from memory, so
+    the model computes as the one loaded without a device map under the same seed (accelerate 1.15 fails
+    at the forward with KeyError 'classifier.weight'; bigmodel failed in from_pretrained)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4)  # fmt: skip
+    transformers.BertModel(config).save_pretrained(str(tmp_path / "bert"))
+    budget = {"max_memory": {"cpu": 1000}} if device_map == "auto" else {}
+    torch.manual_seed(1)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(tmp_path / "bert"), device_map=device_map, offload_folder=str(tmp_path / "offload"), **budget
+    ).eval()
+    assert "disk" in model.hf_device_map.values() and hook_owner(model) == {"bigmodel"}
+    torch.manual_seed(1)
+    plain = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "bert")).eval()
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, plain(IDS).logits)
+        assert torch.equal(model(IDS).logits, plain(IDS).logits)  # the second forward reads the same values

@@ -48,6 +48,7 @@ from .redispatch import (
     _undispatch,
     hooks_removed_on_error,
 )
+from .index_gaps import values_the_index_lacks
 from .meta_values import refuse_meta_tensors
 from .uncovered import place_uncovered_buffers
 from .whole_model import (
@@ -104,23 +105,6 @@ def _tied_params_map(model: nn.Module, tied: list[list[str]]) -> dict[int, dict]
             if tensor.device.type != "meta":
                 pointers[tensor.data_ptr()] = {}
     return pointers
-
-
-def _tied_in_memory(model: nn.Module, tied: list[list[str]], disk_modules: list[str],
-                    index: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Tensors of disk modules that the offload index lacks but whose tied twin holds values in memory.
-
-    A checkpoint stores a tied weight once: a head mapped to disk whose weight is tied to embeddings
-    kept on cpu has no entry in the folder; its hook reads the twin's value from memory instead.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for group in tied:
-        values = [tensor for tensor in (_tensor_at(model, name) for name in group) if tensor.device.type != "meta"]
-        for name in group:
-            on_disk = any(not m or name == m or name.startswith(m + ".") for m in disk_modules)
-            if values and on_disk and name not in index:
-                out[name] = values[0].detach()
-    return out
 
 
 def _tensor_at(model: nn.Module, name: str) -> torch.Tensor:
@@ -345,8 +329,8 @@ def dispatch_model(
         if state_dict is not None or disk_modules or offload_index is not None:
             if disk_modules and offload_index is None:  # the index _disk_weights wrote ({} if it had nothing to write)
                 offload_index = load_offload_index(offload_dir)
-            twins = _tied_in_memory(model, tied, disk_modules, offload_index or {})
-            state_dict = {**(state_dict or {}), **twins} if twins else state_dict
+            in_memory = values_the_index_lacks(model, tied, disk_modules, offload_index or {})
+            state_dict = {**(state_dict or {}), **in_memory} if in_memory else state_dict
             weights_map = OffloadedWeightsLoader(
                 state_dict=state_dict or {}, save_folder=offload_dir if disk_modules else None, index=offload_index
             )

@@ -71,6 +71,10 @@ def keeps_devices(fn: Callable[[torch.Tensor], Any]) -> bool:
     return True
 
 
+# The first sentence of the warning for a device move of a dispatched model, in accelerate 1.15's words.
+INCUMBENT_MOVE_WARNING = "You shouldn't move a model that is dispatched using accelerate hooks."
+
+
 class GuardedApply(ModuleBound):
     """``model._apply`` of a dispatched model: casts go through, device moves are refused while parts are offloaded.
 
@@ -99,10 +103,10 @@ class GuardedApply(ModuleBound):
                 "another dtype are fine). Dispatch it again with another device map, or call "
                 "bigmodel.remove_hook_from_submodules(model) first, which brings the weights back into the modules."
             )
-        logger.warning(
-            "Calling .%s() on a model dispatched with hooks moves its tensors, but its hooks keep moving inputs "
-            "to their execution devices (%s); dispatch it again with the new device map instead.",
-            name, ", ".join(_execution_devices(model)) or "none",
+        logger.warning(  # opens with the incumbent's words: code matches this warning by its text
+            "%s Calling .%s() on a model dispatched with hooks moves its tensors, but its hooks keep moving "
+            "inputs to their execution devices (%s); dispatch it again with the new device map instead.",
+            INCUMBENT_MOVE_WARNING, name, ", ".join(_execution_devices(model)) or "none",
         )
         return apply(model, fn, *args, **kwargs)
 
