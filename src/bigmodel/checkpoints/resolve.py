@@ -22,13 +22,14 @@ import reprlib
 from collections.abc import Mapping
 from pathlib import Path
 
+from .hub_hint import HUB_REPO_PREFIX, hub_folder_hint
+
 logger = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".index.json"
 JSON_SUFFIX = ".json"
-HUB_REPO_PREFIX = "models--"
 WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, JSON_SUFFIX, *PICKLE_SUFFIXES)
 # The names transformers writes; in a folder with several candidates, one of these wins.
 STANDARD_NAMES = (
@@ -170,9 +171,10 @@ def _pick_in_folder(folder: Path) -> Path:
                 f"Checkpoint folder {str(folder)!r} holds several candidate checkpoints: {found}; "
                 "pass the file (or *.index.json) to load instead of the folder."
             )
+    hint = hub_folder_hint(folder) or "pass the path of the weights file."
     raise ValueError(
         f"Checkpoint folder {str(folder)!r} holds no weights: no *.index.json, .safetensors, .bin, .pt or .pth "
-        f"file (found: {names[:20]}); pass the path of the weights file."
+        f"file (found: {names[:20]}); {hint}"
     )
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from ..checkpoints.files import read_tensor_infos, resolve_checkpoint_files
 from ..checkpoints.gguf import is_gguf
 from ..checkpoints.gguf_meta import config_from_gguf, tokenizer_from_gguf
+from ..checkpoints.hub_hint import hub_folder_hint
 from ..core.devices import normalize_device
 from ..core.sizes import compute_module_sizes, get_max_layer_size, to_dtype
 from .hf_models import (
@@ -93,9 +94,11 @@ def resolve_model_folder(path: str | os.PathLike) -> Path:
         )
     config_file = folder if folder.is_file() else folder / "config.json"
     if not config_file.is_file():
+        hint = hub_folder_hint(folder) if folder.is_dir() else None
         raise FileNotFoundError(
-            f"No config.json in {str(folder)!r}; pass a Hugging Face model folder "
-            "(config.json + weights), e.g. one written by model.save_pretrained(folder), or a .gguf file."
+            f"No config.json in {str(folder)!r}; "
+            + (hint or "pass a Hugging Face model folder (config.json + weights), e.g. one written by "
+               "model.save_pretrained(folder), or a .gguf file.")
         )
     return folder
 
