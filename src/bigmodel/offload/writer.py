@@ -118,11 +118,12 @@ def warn_replaced(folder: Path, previous: Mapping[str, Any], new: Mapping[str, A
     ]
     if differing:
         others = len(set(previous) - set(new))
+        entries = f"{others} other entr{'y' if others == 1 else 'ies'}"
+        left = f", and its {entries} may still be that model's" if others else ""
         warnings.warn(
             f"Offload folder {str(folder)!r} held {len(differing)} tensor(s) under the same names with another "
             f"shape or dtype, now replaced ({'; '.join(differing[:3])}): it held another model's offload (or "
-            f"this one's in another dtype), and its {others} other entr{'y' if others == 1 else 'ies'} may "
-            "still be that model's; use one offload_folder per model (or delete this one first).",
+            f"this one's in another dtype){left}; use one offload_folder per model (or delete this one first).",
             UserWarning,
             stacklevel=caller_stacklevel(),
         )
