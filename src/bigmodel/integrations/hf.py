@@ -32,15 +32,16 @@ from torch import nn
 from ..checkpoints.files import read_tensor_infos, resolve_checkpoint_files
 from ..checkpoints.gguf import is_gguf
 from ..checkpoints.gguf_meta import config_from_gguf, tokenizer_from_gguf
-from ..checkpoints.hub_hint import hub_folder_hint
 from ..core.devices import normalize_device
 from ..core.sizes import compute_module_sizes, get_max_layer_size, to_dtype
+from ..planning.no_split import no_split_names
 from .hf_models import (
     build_on_meta,
     check_config_file,
     declared_dtype,
     is_weights_file,
     model_class_for,
+    no_config_error,
     refuse_quantized,
     resolve_dtype,
     weights_file_folder,
@@ -94,12 +95,7 @@ def resolve_model_folder(path: str | os.PathLike) -> Path:
         )
     config_file = folder if folder.is_file() else folder / "config.json"
     if not config_file.is_file():
-        hint = hub_folder_hint(folder) if folder.is_dir() else None
-        raise FileNotFoundError(
-            f"No config.json in {str(folder)!r}; "
-            + (hint or "pass a Hugging Face model folder (config.json + weights), e.g. one written by "
-               "model.save_pretrained(folder), or a .gguf file.")
-        )
+        raise no_config_error(folder)
     return folder
 
 
@@ -252,7 +248,7 @@ def plan_device_map(
         raise ValueError(
             f"Unknown device map {device_map!r}; use one of {', '.join(STRING_DEVICE_MAPS)}, a dict or a JSON file."
         )
-    no_split = no_split_classes(model) if no_split_module_classes is None else list(no_split_module_classes)
+    no_split = no_split_classes(model) if no_split_module_classes is None else no_split_names(no_split_module_classes)
     budgets = get_max_memory(dict(max_memory) if max_memory is not None else None)
     budgets.setdefault("disk", UNBOUNDED_DISK)
     if device_map != "sequential":
@@ -341,7 +337,7 @@ def load_pretrained(
     conversion = None if gguf else prepare_checkpoint(model, infos, source)
     if isinstance(device_map, (str, os.PathLike)) and str(device_map) not in STRING_DEVICE_MAPS:
         device_map = read_device_map(device_map)
-    no_split = no_split_classes(model) if no_split_module_classes is None else list(no_split_module_classes)
+    no_split = no_split_classes(model) if no_split_module_classes is None else no_split_names(no_split_module_classes)
     planned = plan_device_map(model, device_map, max_memory, no_split)
     _check_disk_needs_folder(model, planned, offload_folder, None)
     logger.info("Loading %s with device map over %s", folder, sorted({str(d) for d in planned.values()}))

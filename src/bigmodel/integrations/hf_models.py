@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..checkpoints.files import TensorInfo
+from ..checkpoints.hub_hint import hub_folder_hint
 from ..core.meta import init_empty_weights
 from ..core.sizes import to_dtype
 
@@ -66,6 +67,15 @@ def weights_file_folder(file: Path) -> Path:
         )
     logger.info("%s is a %s weights file; using the model folder holding it: %s", file.name, kind, file.parent)
     return file.parent
+
+
+def no_config_error(folder: Path) -> FileNotFoundError:
+    """The error for a model folder without ``config.json``: a hub cache folder names its snapshot folder."""
+    hint = hub_folder_hint(folder) if folder.is_dir() else None
+    return FileNotFoundError(
+        f"No config.json in {str(folder)!r}; " + (hint or "pass a Hugging Face model folder (config.json + weights), "
+                                                   "e.g. one written by model.save_pretrained(folder), or a .gguf file.")
+    )
 
 
 def check_config_file(path: Path) -> None:
