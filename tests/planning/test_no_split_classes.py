@@ -39,7 +39,7 @@ def test_a_class_object_plans_as_its_name(given: object) -> None:
 
 @pytest.mark.parametrize("entry", [None, 3, Block()])
 def test_an_entry_that_is_no_class_is_refused_naming_it(entry: object) -> None:
-    with pytest.raises(TypeError, match=r"no_split_module_classes holds .* which is not a class name; give module class"):
+    with pytest.raises(TypeError, match=r"no_split_module_classes holds .* which is not a class name; give module"):
         infer_auto_device_map(_net(), max_memory={"cpu": 700}, no_split_module_classes=["Block", entry])
 
 

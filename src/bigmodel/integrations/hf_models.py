@@ -71,11 +71,12 @@ def weights_file_folder(file: Path) -> Path:
 
 def no_config_error(folder: Path) -> FileNotFoundError:
     """The error for a model folder without ``config.json``: a hub cache folder names its snapshot folder."""
-    hint = hub_folder_hint(folder) if folder.is_dir() else None
-    return FileNotFoundError(
-        f"No config.json in {str(folder)!r}; " + (hint or "pass a Hugging Face model folder (config.json + weights), "
-                                                   "e.g. one written by model.save_pretrained(folder), or a .gguf file.")
+    plain = (
+        "pass a Hugging Face model folder (config.json + weights), e.g. one written by "
+        "model.save_pretrained(folder), or a .gguf file."
     )
+    hint = hub_folder_hint(folder) if folder.is_dir() else None
+    return FileNotFoundError(f"No config.json in {str(folder)!r}; {hint or plain}")
 
 
 def check_config_file(path: Path) -> None:
