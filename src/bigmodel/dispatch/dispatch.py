@@ -48,7 +48,7 @@ from .redispatch import (
     _undispatch,
     hooks_removed_on_error,
 )
-from .meta_values import refuse_meta_tensors
+from .meta_values import refuse_meta_non_persistent, refuse_meta_tensors
 from .uncovered import place_uncovered_buffers
 from .whole_model import (
     cpu_offload,
@@ -321,6 +321,7 @@ def dispatch_model(
         check_pinnable(extract_submodules_state_dict(model.state_dict(keep_vars=True), cpu_modules).items())
     _check_folder_before_unhooking(model, disk_modules, offload_dir, offload_index)
     _undispatch(model, "dispatch_model")
+    refuse_meta_non_persistent(model, device_map)
     if not on_cpu and state_dict is None and cpu_modules:
         pin_module_tensors(model, cpu_modules)  # in place, an arena at a time: never two copies in RAM
         state_dict = extract_submodules_state_dict(model.state_dict(), cpu_modules)

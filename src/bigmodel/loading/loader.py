@@ -52,7 +52,7 @@ from ..offload.quantized import check_form, quantizable_names
 from ..offload.quantized_store import QuantizedFolderWrites
 from ..offload.storage import OffloadWriter
 from .conversion import KeyConversion, TensorRouter, convert_infos
-from .key_checks import check_shapes, listed, note_filled, placeable_device, report_keys
+from .key_checks import check_shapes, listed, note_filled, placeable_device, report_keys, warn_meta_non_persistent
 from .resident import bring_back, read_whole_pickles, unmapped
 
 logger = logging.getLogger(__name__)
@@ -239,6 +239,7 @@ def _make_plan(
     missing = sorted(set(expected) - set(infos) - filled)
     unexpected = sorted(set(infos) - set(expected))
     report_keys(missing, unexpected, strict)
+    warn_meta_non_persistent(model)
     check_shapes(expected, infos, plan.aliases)
     sourced = {name: infos.get(name) or next((infos[k] for k, v in plan.aliases.items() if name in v), None)
                for name in expected}
