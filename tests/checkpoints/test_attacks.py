@@ -38,6 +38,7 @@ from bigmodel import (
     infer_auto_device_map,
     init_empty_weights,
     init_on_device,
+    load_checkpoint_and_dispatch,
     load_checkpoint_in_model,
     load_state_dict,
     offload_state_dict,
@@ -171,6 +172,13 @@ def test_made_up_device_name_is_a_value_error():
     linear = nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"Device 'gpu' is not a device spec"):
         set_module_tensor_to_device(linear, "weight", "gpu", value=torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize(("spec", "lower"), [("DISK", "disk"), ("CPU", "cpu"), ("Meta", "meta")])
+def test_an_uppercase_device_name_in_a_map_says_to_write_it_lowercase(tmp_path, checkpoint, spec, lower):
+    message = rf"Device '{spec}' is not a device spec \(device names are lowercase: '{lower}'\); use .*'disk'"
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint_and_dispatch(_meta_net(), checkpoint, device_map={"a": "cpu", "b": spec}, offload_folder=tmp_path)
 
 
 # ------------------------------------------------------------------ sharded index attacks

@@ -126,8 +126,11 @@ def torch_device(device: DeviceSpec) -> torch.device:
         try:
             return torch.device(text)
         except RuntimeError as err:
+            lower = text.lower()
+            known = lower == "disk" or _is_torch_device_string(lower)
+            case = f" (device names are lowercase: {lower!r})" if known else ""
             raise DeviceSpecError(
-                f"Device {device!r} is not a device spec; use an int accelerator index, 'cpu', 'meta', "
+                f"Device {device!r} is not a device spec{case}; use an int accelerator index, 'cpu', 'disk', 'meta', "
                 "a torch.device or a string like 'cuda:1'."
             ) from err
     index = normalize_device(device)
