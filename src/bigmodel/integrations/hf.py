@@ -42,6 +42,7 @@ from .hf_models import (
     is_weights_file,
     model_class_for,
     no_config_error,
+    read_hf_file,
     refuse_quantized,
     resolve_dtype,
     weights_file_folder,
@@ -202,7 +203,7 @@ def read_device_map(path: str | os.PathLike) -> DeviceMap:
         )
     try:
         data = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # invalid JSON, not UTF-8 text, nested too deep
         raise ValueError(f"Device map file {str(file)!r} is not valid JSON ({error}); regenerate it.") from error
     if not isinstance(data, dict):
         raise ValueError(f"Device map file {str(file)!r} must hold a JSON object module name → device.")
@@ -370,7 +371,7 @@ def _attach_generation_config(model: nn.Module, folder: Path) -> None:
         model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
         return
     if (folder / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
+        model.generation_config = read_hf_file(transformers.GenerationConfig, folder, "generation_config.json")
 
 
 def has_tokenizer(path: str | os.PathLike) -> bool:
@@ -396,4 +397,4 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
             f"Model folder {str(folder)!r} has no tokenizer (no {' / '.join(_TOKENIZER_FILES)}), so a text "
             "prompt cannot be encoded; save one there with tokenizer.save_pretrained(folder)."
         )
-    return transformers.AutoTokenizer.from_pretrained(str(folder))
+    return read_hf_file(transformers.AutoTokenizer, folder, "tokenizer files")

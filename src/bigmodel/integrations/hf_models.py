@@ -79,6 +79,24 @@ def no_config_error(folder: Path) -> FileNotFoundError:
     return FileNotFoundError(f"No config.json in {str(folder)!r}; {hint or plain}")
 
 
+def read_hf_file(reader: Any, folder: Path, what: str) -> Any:
+    """``reader.from_pretrained(folder)`` (a tokenizer, a generation config), its failure named.
+
+    transformers raises ``OSError`` for a file that is not valid JSON and lets a file that is not
+    UTF-8 text fail with a bare ``UnicodeDecodeError`` naming no file.
+
+    Raises:
+        ValueError: the file cannot be read (names the folder, the file and the fix).
+    """
+    try:
+        return reader.from_pretrained(str(folder))
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(
+            f"Cannot read the {what} in {str(folder)!r} ({' '.join(str(err).split())[:200]}); fix the file, or "
+            "save it again with .save_pretrained(folder)."
+        ) from err
+
+
 def check_config_file(path: Path) -> None:
     """Check the sizes in the JSON config file ``path`` (see :func:`check_config_sizes`) before transformers reads it.
 
