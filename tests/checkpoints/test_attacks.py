@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import struct
 import threading
 import weakref
@@ -166,6 +167,20 @@ def test_uncovered_device_map_names_the_tensor_before_loading(checkpoint):
     with pytest.raises(KeyError, match=r"does not cover 2 parameters/buffers of .*: b\.weight, b\.bias"):
         load_checkpoint_in_model(model, checkpoint, device_map={"a": "cpu"})
     assert model.a.weight.device.type == "meta"
+
+
+@pytest.mark.parametrize("key", ["b.", " b", "b ", ".b", 1])
+def test_a_misspelt_map_key_is_named_beside_the_tensors_it_leaves_out(checkpoint, key):
+    model = _meta_net()
+    shown = re.escape(repr(key))
+    with pytest.raises(ValueError, match=rf"does not cover .*b\.weight.* The map.s key\(s\) {shown} cover nothing"):
+        load_checkpoint_in_model(model, checkpoint, device_map={"a": "cpu", key: "cpu"})
+    assert model.a.weight.device.type == "meta"
+
+
+def test_a_map_key_that_only_misses_is_not_called_misspelt(checkpoint):
+    with pytest.raises(ValueError, match=r"does not cover .*to the device map\.$"):
+        load_checkpoint_in_model(_meta_net(), checkpoint, device_map={"a": "cpu", "b.x.": "cpu"})
 
 
 def test_made_up_device_name_is_a_value_error():
