@@ -75,7 +75,8 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> CheckpointFiles:
         :class:`CheckpointFiles` list whose ``shard_of`` maps each tensor an index lists to its shard.
 
     Raises:
-        CheckpointNotFoundError: the checkpoint path does not exist (a ``FileNotFoundError`` and a
+        TypeError: ``checkpoint`` is not a ``str`` or path.
+        CheckpointNotFoundError: the checkpoint path is empty or does not exist (a ``FileNotFoundError`` and a
             ``ValueError``, the type accelerate raises there); a dangling or looping link is named as such.
         FileNotFoundError: a shard named by the index does not exist.
         ValueError: unknown file type; a path that is not a regular file (a pipe or device,
@@ -83,6 +84,13 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> CheckpointFiles:
             an index entry whose shard path leaves the checkpoint folder (names the entry);
             a file of a hub snapshot linking outside its repo folder (names the file).
     """
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint={checkpoint!r} is not a path; pass a weights file, an index or a folder.")
+    if not str(checkpoint).strip():  # Path("") is the working directory
+        raise CheckpointNotFoundError(
+            f"checkpoint={checkpoint!r} is empty; pass a weights file, an index or a folder ('./' for the working "
+            "directory)."
+        )
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist; {_broken_link_hint(path)}")

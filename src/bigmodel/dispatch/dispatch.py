@@ -28,6 +28,7 @@ from ..core.tensors import (
 from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded, tie_to_resident
 from ..hooks.align_hook import offload_hook_of
 from ..offload.folder_lock import folder_lock
+from ..offload.format import folder_path
 from ..offload.quantized import check_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
@@ -224,7 +225,7 @@ def _offload_dir_for(model: nn.Module, disk_modules: list[str], offload_dir: Any
     the weights where the existing hooks reach them; tensors the folder lacks are written there.
     """
     if not disk_modules or offload_index is not None or offload_dir is not None:
-        return offload_dir
+        return offload_dir if offload_dir is None else folder_path(offload_dir, "offload_dir")
     folder = _hooks_offload_folder(model)
     if folder is None:
         raise ValueError(

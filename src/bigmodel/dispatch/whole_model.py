@@ -29,6 +29,7 @@ from ..hooks.align_hook import AlignDevicesHook
 from ..hooks.cpu_offload import CpuOffload, PinnedCpuOffload, UserCpuOffloadHook
 from ..hooks.registry import add_hook_to_module
 from ..offload.folder_lock import folder_lock
+from ..offload.format import folder_path
 from ..offload.quantized import check_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
@@ -265,6 +266,7 @@ def disk_offload(
     form = check_form(offload_quantization)
     _undispatch(model, "disk_offload")
     state = {k: v.detach() for k, v in read_by_hooks(model, offload_buffers).items()}
+    offload_dir = folder_path(offload_dir, "offload_dir")
     with folder_lock(offload_dir):  # no other offload writes the folder until its files are mapped
         rest, quantized = store_on_disk(model, offload_dir, state, form)
         ensure_offloaded(offload_dir, rest)

@@ -47,7 +47,7 @@ from ..core.tensors import (
     set_module_tensor_to_device,
 )
 from ..offload.folder_lock import folder_lock
-from ..offload.format import files_no_offload_wrote
+from ..offload.format import files_no_offload_wrote, folder_path
 from ..offload.quantized import check_form, quantizable_names
 from ..offload.quantized_store import QuantizedFolderWrites
 from ..offload.storage import OffloadWriter
@@ -300,7 +300,7 @@ def _disk_writer(
             f"The device map puts {len(disk)} tensor(s) on 'disk' ({listed(disk)}) but no offload_folder was "
             "given; pass offload_folder=<a writable folder>."
         )
-    folder = Path(offload_folder).resolve()
+    folder = folder_path(offload_folder).resolve()
     source = Path(checkpoint).resolve()
     if folder in {f.parent for f in files} | {source if source.is_dir() else source.parent}:
         foreign = files_no_offload_wrote(folder, disk)

@@ -20,6 +20,7 @@ from ..core.warn import caller_stacklevel
 from .format import (
     INDEX_NAME,
     dat_path,
+    folder_path,
     dtype_name,
     is_offload_index,
     load_offload_index,
@@ -133,10 +134,11 @@ def check_writable(folder: str | os.PathLike) -> None:
     """Create ``folder`` if missing and write (and delete) a probe file in it.
 
     Raises:
+        ValueError: ``folder`` is an empty string (see :func:`folder_path`).
         PermissionError: ``folder`` is a file, or cannot be created or written (names it and the fix).
         OSError: ``ENOSPC`` / ``EDQUOT``: the disk is full (see :func:`space_checked`).
     """
-    folder = Path(folder)
+    folder = folder_path(folder)
     if folder.exists() and not folder.is_dir():
         raise PermissionError(
             f"Offload folder {str(folder)!r} is not writable: it is a file, not a folder; pass an "
@@ -175,7 +177,7 @@ class OffloadWriter:
     """
 
     def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
+        self.folder = folder_path(folder)
         check_writable(self.folder)
         index_to_merge(self.folder)  # refuse a user's index.json before anything is written
         self.index: dict[str, dict] = {}
