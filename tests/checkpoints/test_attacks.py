@@ -222,11 +222,16 @@ def sharded(tmp_path):
         ("ABS", "outside the checkpoint folder"),
         ("link.safetensors", "resolves outside the checkpoint folder"),
         ("nope.safetensors", "shard 'nope.safetensors' .*is missing"),
-        (5, "points to shard 5 outside"),
+        (5, "entry 'b.weight' maps to 5, not a shard file name"),  # was "points to shard 5 outside the folder"
+        ("sub", "shard 'sub' \\(for 'b.weight'\\) is a folder, not a weights file"),  # was "is missing"
+        ("model.safetensors.index.json", "is not a .safetensors, .bin, .pt or .pth file"),  # was read as a pickle
+        ("notes.txt", "shard 'notes.txt' .* is not a .safetensors, .bin, .pt or .pth file; fix the index"),
     ],
 )
 def test_index_shards_cannot_leave_the_folder(sharded, shard, message):
     os.symlink(sharded.parent / "outside.safetensors", sharded / "link.safetensors")
+    (sharded / "sub").mkdir()
+    (sharded / "notes.txt").write_text("not weights")
     if shard == "ABS":
         shard = str(sharded.parent / "outside.safetensors")
     index = _index(
@@ -236,6 +241,16 @@ def test_index_shards_cannot_leave_the_folder(sharded, shard, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         load_checkpoint_in_model(model, index)
     assert model.a.weight.device.type == "meta"
+
+
+def test_one_shard_spelt_two_ways_is_read_once(sharded, caplog):
+    save_file({k: v for k, v in _state().items() if k.startswith("b")}, sharded / "s2.safetensors")
+    index = _index(sharded, {"a.weight": "s1.safetensors", "a.bias": "./s1.safetensors",
+                             "b.weight": "s2.safetensors", "b.bias": "s2.safetensors"})  # fmt: skip
+    model = _meta_net()
+    load_checkpoint_in_model(model, index)
+    assert "is in both" not in caplog.text  # was: "Tensor 'a.bias' is in both .../s1.safetensors and .../s1.safetensors"
+    assert torch.equal(model.a.bias, _state()["a.bias"])
 
 
 def test_index_that_is_not_a_mapping(sharded):

@@ -235,10 +235,16 @@ def _index_shards(index_path: Path, repo: Path | None) -> CheckpointFiles:
     folder = index_path.parent
     shards: dict[str, Path] = {}
     shard_of: dict[str, Path] = {}
+    by_file: dict[Path, Path] = {}  # real path → the path first used for it ("s.bin" and "./s.bin" are one shard)
     for key, shard in weight_map.items():
         if isinstance(shard, str) and shard in shards:
             shard_of[str(key)] = shards[shard]
             continue
+        if not isinstance(shard, str):
+            raise ValueError(
+                f"Index {str(index_path)!r}: entry {key!r} maps to {reprlib.repr(shard)}, not a shard file name; "
+                "regenerate the index (or download the checkpoint again)."
+            )
         if not _is_relative_name(shard):
             raise ValueError(
                 f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r} outside the checkpoint folder; "
@@ -252,14 +258,29 @@ def _index_shards(index_path: Path, repo: Path | None) -> CheckpointFiles:
                 f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r}, which resolves outside the "
                 f"checkpoint folder ({path.resolve()}); copy the shard into {folder}."
             )
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"Index {str(index_path)!r}: shard {shard!r} (for {key!r}) is missing from {folder}; "
-                "download or copy the missing shard."
-            )
+        _check_shard(index_path, key, shard, path)
+        path = by_file.setdefault(path.resolve(), path)
         shards[shard] = path
         shard_of[str(key)] = path
-    return CheckpointFiles(list(shards.values()), shard_of)
+    return CheckpointFiles(list(dict.fromkeys(shards.values())), shard_of)
+
+
+def _check_shard(index_path: Path, key: object, shard: str, path: Path) -> None:
+    """Raise unless ``path`` (entry ``key``'s ``shard``) is a weights file.
+
+    Raises:
+        FileNotFoundError: the shard is missing.
+        ValueError: it is a folder, or not a ``.safetensors`` / ``.bin`` / ``.pt`` / ``.pth`` file.
+    """
+    where = f"Index {str(index_path)!r}: shard {shard!r} (for {key!r})"
+    if path.is_dir():
+        raise ValueError(f"{where} is a folder, not a weights file; fix the index (or download the checkpoint again).")
+    if not path.is_file():
+        raise FileNotFoundError(f"{where} is missing from {path.parent}; download or copy the missing shard.")
+    if not path.name.endswith((SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES)):
+        raise ValueError(
+            f"{where} is not a .safetensors, .bin, .pt or .pth file; fix the index (or download the checkpoint again)."
+        )
 
 
 def _is_relative_name(shard: object) -> bool:
