@@ -193,7 +193,8 @@ def test_made_up_device_name_is_a_value_error():
 def test_an_uppercase_device_name_in_a_map_says_to_write_it_lowercase(tmp_path, checkpoint, spec, lower):
     message = rf"Device '{spec}' is not a device spec \(device names are lowercase: '{lower}'\); use .*'disk'"
     with pytest.raises(ValueError, match=message):
-        load_checkpoint_and_dispatch(_meta_net(), checkpoint, device_map={"a": "cpu", "b": spec}, offload_folder=tmp_path)
+        load_checkpoint_and_dispatch(_meta_net(), checkpoint, device_map={"a": "cpu", "b": spec},
+                                     offload_folder=tmp_path)  # fmt: skip
 
 
 # ------------------------------------------------------------------ sharded index attacks
@@ -249,7 +250,7 @@ def test_one_shard_spelt_two_ways_is_read_once(sharded, caplog):
                              "b.weight": "s2.safetensors", "b.bias": "s2.safetensors"})  # fmt: skip
     model = _meta_net()
     load_checkpoint_in_model(model, index)
-    assert "is in both" not in caplog.text  # was: "Tensor 'a.bias' is in both .../s1.safetensors and .../s1.safetensors"
+    assert "is in both" not in caplog.text  # was: "Tensor 'a.bias' is in both <s1> and <s1>"
     assert torch.equal(model.a.bias, _state()["a.bias"])
 
 
