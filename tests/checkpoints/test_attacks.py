@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import struct
 import threading
 import weakref
@@ -38,6 +39,7 @@ from bigmodel import (
     infer_auto_device_map,
     init_empty_weights,
     init_on_device,
+    load_checkpoint_and_dispatch,
     load_checkpoint_in_model,
     load_state_dict,
     offload_state_dict,
@@ -167,10 +169,32 @@ def test_uncovered_device_map_names_the_tensor_before_loading(checkpoint):
     assert model.a.weight.device.type == "meta"
 
 
+@pytest.mark.parametrize("key", ["b.", " b", "b ", ".b", 1])
+def test_a_misspelt_map_key_is_named_beside_the_tensors_it_leaves_out(checkpoint, key):
+    model = _meta_net()
+    shown = re.escape(repr(key))
+    with pytest.raises(ValueError, match=rf"does not cover .*b\.weight.* The map.s key\(s\) {shown} cover nothing"):
+        load_checkpoint_in_model(model, checkpoint, device_map={"a": "cpu", key: "cpu"})
+    assert model.a.weight.device.type == "meta"
+
+
+def test_a_map_key_that_only_misses_is_not_called_misspelt(checkpoint):
+    with pytest.raises(ValueError, match=r"does not cover .*to the device map\.$"):
+        load_checkpoint_in_model(_meta_net(), checkpoint, device_map={"a": "cpu", "b.x.": "cpu"})
+
+
 def test_made_up_device_name_is_a_value_error():
     linear = nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"Device 'gpu' is not a device spec"):
         set_module_tensor_to_device(linear, "weight", "gpu", value=torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize(("spec", "lower"), [("DISK", "disk"), ("CPU", "cpu"), ("Meta", "meta")])
+def test_an_uppercase_device_name_in_a_map_says_to_write_it_lowercase(tmp_path, checkpoint, spec, lower):
+    message = rf"Device '{spec}' is not a device spec \(device names are lowercase: '{lower}'\); use .*'disk'"
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint_and_dispatch(_meta_net(), checkpoint, device_map={"a": "cpu", "b": spec},
+                                     offload_folder=tmp_path)  # fmt: skip
 
 
 # ------------------------------------------------------------------ sharded index attacks
@@ -199,11 +223,16 @@ def sharded(tmp_path):
         ("ABS", "outside the checkpoint folder"),
         ("link.safetensors", "resolves outside the checkpoint folder"),
         ("nope.safetensors", "shard 'nope.safetensors' .*is missing"),
-        (5, "points to shard 5 outside"),
+        (5, "entry 'b.weight' maps to 5, not a shard file name"),  # was "points to shard 5 outside the folder"
+        ("sub", "shard 'sub' \\(for 'b.weight'\\) is a folder, not a weights file"),  # was "is missing"
+        ("model.safetensors.index.json", "is not a .safetensors, .bin, .pt or .pth file"),  # was read as a pickle
+        ("notes.txt", "shard 'notes.txt' .* is not a .safetensors, .bin, .pt or .pth file; fix the index"),
     ],
 )
 def test_index_shards_cannot_leave_the_folder(sharded, shard, message):
     os.symlink(sharded.parent / "outside.safetensors", sharded / "link.safetensors")
+    (sharded / "sub").mkdir()
+    (sharded / "notes.txt").write_text("not weights")
     if shard == "ABS":
         shard = str(sharded.parent / "outside.safetensors")
     index = _index(
@@ -213,6 +242,16 @@ def test_index_shards_cannot_leave_the_folder(sharded, shard, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         load_checkpoint_in_model(model, index)
     assert model.a.weight.device.type == "meta"
+
+
+def test_one_shard_spelt_two_ways_is_read_once(sharded, caplog):
+    save_file({k: v for k, v in _state().items() if k.startswith("b")}, sharded / "s2.safetensors")
+    index = _index(sharded, {"a.weight": "s1.safetensors", "a.bias": "./s1.safetensors",
+                             "b.weight": "s2.safetensors", "b.bias": "s2.safetensors"})  # fmt: skip
+    model = _meta_net()
+    load_checkpoint_in_model(model, index)
+    assert "is in both" not in caplog.text  # was: "Tensor 'a.bias' is in both <s1> and <s1>"
+    assert torch.equal(model.a.bias, _state()["a.bias"])
 
 
 def test_index_that_is_not_a_mapping(sharded):

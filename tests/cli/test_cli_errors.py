@@ -72,6 +72,40 @@ CASES = {
 }  # fmt: skip
 
 
+def _broken_copy(tiny: Path, tmp_path: Path, name: str, content: bytes) -> Path:
+    """A copy of the tiny model folder whose file ``name`` holds ``content``."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    for file in tiny.iterdir():
+        (folder / file.name).write_bytes(content if file.name == name else file.read_bytes())
+    return folder
+
+
+# Before: the first was a traceback (transformers' OSError, exit 1), the others "'utf-8' codec can't decode
+# byte 0xff in position 0: invalid start byte" naming no file.
+BROKEN_FILES = {
+    "generation-config-not-json": (
+        lambda tiny, tmp: _generate(_broken_copy(tiny, tmp, "generation_config.json", b'{"a":')),
+        r"Cannot read the generation_config\.json in '.*broken' \(.*not a valid JSON file\.\); fix the file",
+    ),
+    "tokenizer-not-utf8": (
+        lambda tiny, tmp: _generate(_broken_copy(tiny, tmp, "tokenizer.json", b"\xff\xfe{}")),
+        r"Cannot read the tokenizer files in '.*broken' \('utf-8' codec can't decode.*\); fix the file, or save",
+    ),
+    "map-file-not-utf8": (
+        lambda tiny, tmp: _generate(tiny, "--device-map", str(_bytes_file(tmp, b"\xff\xfe{}"))),
+        r"Device map file '.*map\.json' is not valid JSON \('utf-8' codec can't decode.*\); regenerate it\.",
+    ),
+}
+CASES.update(BROKEN_FILES)
+
+
+def _bytes_file(tmp_path: Path, content: bytes) -> Path:
+    path = tmp_path / "map.json"
+    path.write_bytes(content)
+    return path
+
+
 def _a_file(tmp_path: Path) -> Path:
     path = tmp_path / "a-file"
     path.write_text("not a folder")

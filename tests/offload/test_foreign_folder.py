@@ -79,6 +79,17 @@ def test_a_dtype_change_under_the_same_name_warns(tmp_path: Path) -> None:
     assert torch.equal(OffloadedWeightsLoader(save_folder=tmp_path)["w"], torch.ones(2, 3, dtype=torch.float16))
 
 
+@pytest.mark.parametrize(("previous", "tail"), [({}, ""), ({"v": torch.ones(1)}, ", and its 1 other entry may")])
+def test_the_replace_warning_counts_only_entries_left(tmp_path: Path, previous: dict, tail: str) -> None:
+    offload_state_dict(tmp_path, {"w": torch.ones(2, 3), **previous})
+    with pytest.warns(UserWarning) as record:
+        offload_state_dict(tmp_path, {"w": torch.ones(3, 2)})
+    message = str(record[0].message)
+    assert "0 other entries" not in message, message
+    assert f"(or this one's in another dtype){tail}" in message, message
+    assert message.endswith("; use one offload_folder per model (or delete this one first)."), message
+
+
 @pytest.mark.parametrize(
     ("content", "detail"),
     [

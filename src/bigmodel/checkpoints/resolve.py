@@ -22,13 +22,14 @@ import reprlib
 from collections.abc import Mapping
 from pathlib import Path
 
+from .hub_hint import HUB_REPO_PREFIX, hub_folder_hint
+
 logger = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".index.json"
 JSON_SUFFIX = ".json"
-HUB_REPO_PREFIX = "models--"
 WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, JSON_SUFFIX, *PICKLE_SUFFIXES)
 # The names transformers writes; in a folder with several candidates, one of these wins.
 STANDARD_NAMES = (
@@ -74,7 +75,8 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> CheckpointFiles:
         :class:`CheckpointFiles` list whose ``shard_of`` maps each tensor an index lists to its shard.
 
     Raises:
-        CheckpointNotFoundError: the checkpoint path does not exist (a ``FileNotFoundError`` and a
+        TypeError: ``checkpoint`` is not a ``str`` or path.
+        CheckpointNotFoundError: the checkpoint path is empty or does not exist (a ``FileNotFoundError`` and a
             ``ValueError``, the type accelerate raises there); a dangling or looping link is named as such.
         FileNotFoundError: a shard named by the index does not exist.
         ValueError: unknown file type; a path that is not a regular file (a pipe or device,
@@ -82,6 +84,13 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> CheckpointFiles:
             an index entry whose shard path leaves the checkpoint folder (names the entry);
             a file of a hub snapshot linking outside its repo folder (names the file).
     """
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint={checkpoint!r} is not a path; pass a weights file, an index or a folder.")
+    if not str(checkpoint).strip():  # Path("") is the working directory
+        raise CheckpointNotFoundError(
+            f"checkpoint={checkpoint!r} is empty; pass a weights file, an index or a folder ('./' for the working "
+            "directory)."
+        )
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist; {_broken_link_hint(path)}")
@@ -170,9 +179,10 @@ def _pick_in_folder(folder: Path) -> Path:
                 f"Checkpoint folder {str(folder)!r} holds several candidate checkpoints: {found}; "
                 "pass the file (or *.index.json) to load instead of the folder."
             )
+    hint = hub_folder_hint(folder) or "pass the path of the weights file."
     raise ValueError(
         f"Checkpoint folder {str(folder)!r} holds no weights: no *.index.json, .safetensors, .bin, .pt or .pth "
-        f"file (found: {names[:20]}); pass the path of the weights file."
+        f"file (found: {names[:20]}); {hint}"
     )
 
 
@@ -225,10 +235,16 @@ def _index_shards(index_path: Path, repo: Path | None) -> CheckpointFiles:
     folder = index_path.parent
     shards: dict[str, Path] = {}
     shard_of: dict[str, Path] = {}
+    by_file: dict[Path, Path] = {}  # real path → the path first used for it ("s.bin" and "./s.bin" are one shard)
     for key, shard in weight_map.items():
         if isinstance(shard, str) and shard in shards:
             shard_of[str(key)] = shards[shard]
             continue
+        if not isinstance(shard, str):
+            raise ValueError(
+                f"Index {str(index_path)!r}: entry {key!r} maps to {reprlib.repr(shard)}, not a shard file name; "
+                "regenerate the index (or download the checkpoint again)."
+            )
         if not _is_relative_name(shard):
             raise ValueError(
                 f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r} outside the checkpoint folder; "
@@ -242,14 +258,29 @@ def _index_shards(index_path: Path, repo: Path | None) -> CheckpointFiles:
                 f"Index {str(index_path)!r}: entry {key!r} points to shard {shard!r}, which resolves outside the "
                 f"checkpoint folder ({path.resolve()}); copy the shard into {folder}."
             )
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"Index {str(index_path)!r}: shard {shard!r} (for {key!r}) is missing from {folder}; "
-                "download or copy the missing shard."
-            )
+        _check_shard(index_path, key, shard, path)
+        path = by_file.setdefault(path.resolve(), path)
         shards[shard] = path
         shard_of[str(key)] = path
-    return CheckpointFiles(list(shards.values()), shard_of)
+    return CheckpointFiles(list(dict.fromkeys(shards.values())), shard_of)
+
+
+def _check_shard(index_path: Path, key: object, shard: str, path: Path) -> None:
+    """Raise unless ``path`` (entry ``key``'s ``shard``) is a weights file.
+
+    Raises:
+        FileNotFoundError: the shard is missing.
+        ValueError: it is a folder, or not a ``.safetensors`` / ``.bin`` / ``.pt`` / ``.pth`` file.
+    """
+    where = f"Index {str(index_path)!r}: shard {shard!r} (for {key!r})"
+    if path.is_dir():
+        raise ValueError(f"{where} is a folder, not a weights file; fix the index (or download the checkpoint again).")
+    if not path.is_file():
+        raise FileNotFoundError(f"{where} is missing from {path.parent}; download or copy the missing shard.")
+    if not path.name.endswith((SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES)):
+        raise ValueError(
+            f"{where} is not a .safetensors, .bin, .pt or .pth file; fix the index (or download the checkpoint again)."
+        )
 
 
 def _is_relative_name(shard: object) -> bool:

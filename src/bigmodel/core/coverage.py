@@ -58,5 +58,21 @@ def check_covered(names: Iterable[str], device_map: Mapping[str, object], owner:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise UncoveredTensorError(
             f"The device map does not cover {len(missing)} parameters/buffers of {owner}: {shown}. "
-            "Add them, or a module containing them, to the device map."
+            "Add them, or a module containing them, to the device map." + _misspelt_keys(missing, device_map)
         )
+
+
+def _misspelt_keys(missing: list[str], device_map: Mapping[str, object]) -> str:
+    """A sentence naming the map's keys that are not strings, or would cover a missing name without their
+    spaces or end dots (``"lm_head."``, ``" lm_head"``), and the fix; empty when there is none."""
+    odd = [
+        key for key in device_map
+        if not isinstance(key, str)
+        or (key.strip().strip(".") != key and any(is_covered(name, {key.strip().strip(".")}) for name in missing))
+    ]  # fmt: skip
+    if not odd:
+        return ""
+    return (
+        f" The map's key(s) {', '.join(repr(key) for key in odd[:10])} cover nothing: keys are module names as "
+        "strings, without spaces or a dot at either end (e.g. 'model.layers.0')."
+    )

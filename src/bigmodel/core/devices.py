@@ -126,8 +126,11 @@ def torch_device(device: DeviceSpec) -> torch.device:
         try:
             return torch.device(text)
         except RuntimeError as err:
+            lower = text.lower()
+            known = lower == "disk" or _is_torch_device_string(lower)
+            case = f" (device names are lowercase: {lower!r})" if known else ""
             raise DeviceSpecError(
-                f"Device {device!r} is not a device spec; use an int accelerator index, 'cpu', 'meta', "
+                f"Device {device!r} is not a device spec{case}; use an int accelerator index, 'cpu', 'disk', 'meta', "
                 "a torch.device or a string like 'cuda:1'."
             ) from err
     index = normalize_device(device)
@@ -144,6 +147,29 @@ def is_accelerator(device: DeviceSpec) -> bool:
     if isinstance(device, torch.device):
         return device.type not in ("cpu", "meta")
     return normalize_device(device) not in ("cpu", "disk", "meta")
+
+
+def check_execution_device(device: DeviceSpec, argument: str = "execution_device") -> None:
+    """Raise unless ``device`` is the CPU, ``meta`` or an accelerator this machine has.
+
+    Raises:
+        ValueError: not a device spec, ``"disk"``, or an accelerator type or index torch does not see
+            (names the argument, the device, what the machine has and the fix), so that offloading
+            fails when it is set up rather than at the first forward.
+    """
+    try:
+        target = torch_device(device)
+    except DeviceSpecError as err:
+        raise DeviceSpecError(f"{argument}={device!r}: {err}") from err
+    if target.type in ("cpu", "meta"):
+        return
+    kind, count = accelerator_type(), accelerator_count()
+    if kind is None or target.type != kind or (target.index or 0) >= count:
+        have = f"{count} {kind} device(s), 0 to {count - 1}" if kind is not None and count else "no accelerator"
+        raise DeviceSpecError(
+            f"{argument}={device!r} is not a device of this machine, which has {have}; pass an existing device "
+            "or 'cpu'."
+        )
 
 
 def device_sort_key(device: int | str) -> tuple[int, int]:

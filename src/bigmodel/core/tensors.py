@@ -337,8 +337,17 @@ def loaded_dtype(
     value then becomes float32 under ``keep_in_fp32`` modules; else ``dtype`` if given; else, with
     ``use_model_dtype`` (tensors placed in memory), the model tensor's floating dtype; else the
     checkpoint's dtype (an integer or bool checkpoint tensor: the model tensor's dtype).
+
+    Raises:
+        ValueError: a complex checkpoint tensor for a real model tensor (the cast would drop the
+            imaginary part; names the tensor, both dtypes and the fix).
     """
     model_floating = model_tensor is not None and model_tensor.is_floating_point()
+    if source_dtype.is_complex and model_tensor is not None and not model_tensor.is_complex():
+        raise ValueError(
+            f"Checkpoint tensor {name!r} is {source_dtype} but the model's is {model_tensor.dtype}: loading it would "
+            "drop its imaginary part. Load the checkpoint this model was saved with (or convert that tensor first)."
+        )
     if not source_dtype.is_floating_point:
         if not model_floating:
             return source_dtype

@@ -28,6 +28,7 @@ from ..core.tensors import (
 from ..hooks.align import attach_align_device_hook_on_blocks, tie_offloaded, tie_to_resident
 from ..hooks.align_hook import offload_hook_of
 from ..offload.folder_lock import folder_lock
+from ..offload.format import folder_path
 from ..offload.quantized import check_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
@@ -49,7 +50,7 @@ from .redispatch import (
     hooks_removed_on_error,
 )
 from .index_gaps import values_the_index_lacks
-from .meta_values import refuse_meta_tensors
+from .meta_values import refuse_meta_non_persistent, refuse_meta_tensors
 from .uncovered import place_uncovered_buffers
 from .whole_model import (
     cpu_offload,
@@ -208,7 +209,7 @@ def _offload_dir_for(model: nn.Module, disk_modules: list[str], offload_dir: Any
     the weights where the existing hooks reach them; tensors the folder lacks are written there.
     """
     if not disk_modules or offload_index is not None or offload_dir is not None:
-        return offload_dir
+        return offload_dir if offload_dir is None else folder_path(offload_dir, "offload_dir")
     folder = _hooks_offload_folder(model)
     if folder is None:
         raise ValueError(
@@ -305,6 +306,7 @@ def dispatch_model(
         check_pinnable(extract_submodules_state_dict(model.state_dict(keep_vars=True), cpu_modules).items())
     _check_folder_before_unhooking(model, disk_modules, offload_dir, offload_index)
     _undispatch(model, "dispatch_model")
+    refuse_meta_non_persistent(model, device_map)
     if not on_cpu and state_dict is None and cpu_modules:
         pin_module_tensors(model, cpu_modules)  # in place, an arena at a time: never two copies in RAM
         state_dict = extract_submodules_state_dict(model.state_dict(), cpu_modules)

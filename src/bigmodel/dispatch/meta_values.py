@@ -8,14 +8,16 @@ never got a value and how to give them one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import chain
 
 from torch import nn
 
 from ..core.devices import DeviceSpec, torch_device
-from ..loading.key_checks import listed
+from ..core.coverage import device_of, is_covered
+from ..loading.key_checks import NON_PERSISTENT_FIX, is_meta_device, listed, meta_non_persistent
 
-__all__ = ["MetaTensorError", "refuse_meta_tensors"]
+__all__ = ["MetaTensorError", "refuse_meta_non_persistent", "refuse_meta_tensors"]
 
 
 class MetaTensorError(NotImplementedError, ValueError):
@@ -41,10 +43,37 @@ def refuse_meta_tensors(model: nn.Module, device: DeviceSpec) -> None:
         return
     tensors = chain(model.named_parameters(), model.named_buffers())
     on_meta = [name for name, tensor in tensors if tensor.device.type == "meta"]
+    empty = set(meta_non_persistent(model))
+    if on_meta and empty.issuperset(on_meta):  # only buffers no checkpoint holds: loading would not help
+        raise MetaTensorError(
+            f"{len(on_meta)} non-persistent buffer(s) of {type(model).__name__} are on the meta device, so the "
+            f"model cannot be moved to {str(device)!r}: {listed(on_meta)}. {NON_PERSISTENT_FIX}"
+        )
     if on_meta:
         raise MetaTensorError(
             f"{len(on_meta)} tensor(s) of {type(model).__name__} are on the meta device and hold no value, so the "
             f"model cannot be moved to {str(device)!r}: {listed(on_meta)}. Load the weights first "
             "(load_checkpoint_and_dispatch(model, checkpoint, device_map=...), or load_checkpoint_in_model), or "
             "create them with model.to_empty(device=...) and initialise them."
+        )
+
+
+def refuse_meta_non_persistent(model: nn.Module, device_map: Mapping[str, DeviceSpec]) -> None:
+    """Raise if ``model`` holds non-persistent buffers on ``meta`` that ``device_map`` sends to a device.
+
+    No checkpoint holds such buffers (a model built with ``init_empty_weights(include_buffers=True)``
+    has them on ``meta`` after any load); a hook moving one fails in the first forward with an error
+    that names neither the buffer's module nor the fix.  Buffers mapped to ``"meta"`` are left alone.
+
+    Raises:
+        MetaTensorError: names the buffers and the fix (nothing is changed).
+    """
+    empty = [
+        name for name in meta_non_persistent(model)
+        if not (is_covered(name, device_map) and is_meta_device(device_of(name, device_map)))
+    ]  # fmt: skip
+    if empty:
+        raise MetaTensorError(
+            f"{len(empty)} non-persistent buffer(s) of {type(model).__name__} are on the meta device and hold no "
+            f"value, so the model cannot be dispatched: {listed(empty)}. {NON_PERSISTENT_FIX}"
         )

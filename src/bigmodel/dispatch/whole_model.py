@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.devices import DeviceSpec
+from ..core.devices import DeviceSpec, check_execution_device
 from ..core.subclasses import flatten_tensor, is_tensor_subclass
 from ..core.tensors import find_tied_parameters
 from ..hooks.align import (
@@ -29,6 +29,7 @@ from ..hooks.align_hook import AlignDevicesHook
 from ..hooks.cpu_offload import CpuOffload, PinnedCpuOffload, UserCpuOffloadHook
 from ..hooks.registry import add_hook_to_module
 from ..offload.folder_lock import folder_lock
+from ..offload.format import folder_path
 from ..offload.quantized import check_form
 from ..offload.storage import (
     OffloadedWeightsLoader,
@@ -213,8 +214,9 @@ def cpu_offload(
             cannot be pinned as plain tensors (names it and the fix; nothing is pinned).
     """
     form = check_form(offload_quantization)
-    _undispatch(model, "cpu_offload")
     device = execution_device if execution_device is not None else _default_device(model)
+    check_execution_device(device)  # before anything is unhooked
+    _undispatch(model, "cpu_offload")
     if _runs_on_accelerator(device):  # refused before anything is pinned
         check_pinnable([*model.state_dict(keep_vars=True).items(), *(state_dict or {}).items()])
     if state_dict is None:
@@ -263,6 +265,9 @@ def disk_offload(
             changed), or an unknown ``offload_quantization``.
     """
     form = check_form(offload_quantization)
+    offload_dir = folder_path(offload_dir, "offload_dir")  # these two before anything is unhooked
+    if execution_device is not None:
+        check_execution_device(execution_device)
     _undispatch(model, "disk_offload")
     state = {k: v.detach() for k, v in read_by_hooks(model, offload_buffers).items()}
     with folder_lock(offload_dir):  # no other offload writes the folder until its files are mapped

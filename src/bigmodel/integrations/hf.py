@@ -34,12 +34,15 @@ from ..checkpoints.gguf import is_gguf
 from ..checkpoints.gguf_meta import config_from_gguf, tokenizer_from_gguf
 from ..core.devices import normalize_device
 from ..core.sizes import compute_module_sizes, get_max_layer_size, to_dtype
+from ..planning.no_split import no_split_names
 from .hf_models import (
     build_on_meta,
     check_config_file,
     declared_dtype,
     is_weights_file,
     model_class_for,
+    no_config_error,
+    read_hf_file,
     refuse_quantized,
     resolve_dtype,
     weights_file_folder,
@@ -93,10 +96,7 @@ def resolve_model_folder(path: str | os.PathLike) -> Path:
         )
     config_file = folder if folder.is_file() else folder / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(
-            f"No config.json in {str(folder)!r}; pass a Hugging Face model folder "
-            "(config.json + weights), e.g. one written by model.save_pretrained(folder), or a .gguf file."
-        )
+        raise no_config_error(folder)
     return folder
 
 
@@ -203,7 +203,7 @@ def read_device_map(path: str | os.PathLike) -> DeviceMap:
         )
     try:
         data = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # invalid JSON, not UTF-8 text, nested too deep
         raise ValueError(f"Device map file {str(file)!r} is not valid JSON ({error}); regenerate it.") from error
     if not isinstance(data, dict):
         raise ValueError(f"Device map file {str(file)!r} must hold a JSON object module name → device.")
@@ -249,7 +249,7 @@ def plan_device_map(
         raise ValueError(
             f"Unknown device map {device_map!r}; use one of {', '.join(STRING_DEVICE_MAPS)}, a dict or a JSON file."
         )
-    no_split = no_split_classes(model) if no_split_module_classes is None else list(no_split_module_classes)
+    no_split = no_split_classes(model) if no_split_module_classes is None else no_split_names(no_split_module_classes)
     budgets = get_max_memory(dict(max_memory) if max_memory is not None else None)
     budgets.setdefault("disk", UNBOUNDED_DISK)
     if device_map != "sequential":
@@ -338,7 +338,7 @@ def load_pretrained(
     conversion = None if gguf else prepare_checkpoint(model, infos, source)
     if isinstance(device_map, (str, os.PathLike)) and str(device_map) not in STRING_DEVICE_MAPS:
         device_map = read_device_map(device_map)
-    no_split = no_split_classes(model) if no_split_module_classes is None else list(no_split_module_classes)
+    no_split = no_split_classes(model) if no_split_module_classes is None else no_split_names(no_split_module_classes)
     planned = plan_device_map(model, device_map, max_memory, no_split)
     _check_disk_needs_folder(model, planned, offload_folder, None)
     logger.info("Loading %s with device map over %s", folder, sorted({str(d) for d in planned.values()}))
@@ -371,7 +371,7 @@ def _attach_generation_config(model: nn.Module, folder: Path) -> None:
         model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
         return
     if (folder / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
+        model.generation_config = read_hf_file(transformers.GenerationConfig, folder, "generation_config.json")
 
 
 def has_tokenizer(path: str | os.PathLike) -> bool:
@@ -397,4 +397,4 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
             f"Model folder {str(folder)!r} has no tokenizer (no {' / '.join(_TOKENIZER_FILES)}), so a text "
             "prompt cannot be encoded; save one there with tokenizer.save_pretrained(folder)."
         )
-    return transformers.AutoTokenizer.from_pretrained(str(folder))
+    return read_hf_file(transformers.AutoTokenizer, folder, "tokenizer files")

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..checkpoints.files import TensorInfo
+from ..checkpoints.hub_hint import hub_folder_hint
 from ..core.meta import init_empty_weights
 from ..core.sizes import to_dtype
 
@@ -66,6 +67,34 @@ def weights_file_folder(file: Path) -> Path:
         )
     logger.info("%s is a %s weights file; using the model folder holding it: %s", file.name, kind, file.parent)
     return file.parent
+
+
+def no_config_error(folder: Path) -> FileNotFoundError:
+    """The error for a model folder without ``config.json``: a hub cache folder names its snapshot folder."""
+    plain = (
+        "pass a Hugging Face model folder (config.json + weights), e.g. one written by "
+        "model.save_pretrained(folder), or a .gguf file."
+    )
+    hint = hub_folder_hint(folder) if folder.is_dir() else None
+    return FileNotFoundError(f"No config.json in {str(folder)!r}; {hint or plain}")
+
+
+def read_hf_file(reader: Any, folder: Path, what: str) -> Any:
+    """``reader.from_pretrained(folder)`` (a tokenizer, a generation config), its failure named.
+
+    transformers raises ``OSError`` for a file that is not valid JSON and lets a file that is not
+    UTF-8 text fail with a bare ``UnicodeDecodeError`` naming no file.
+
+    Raises:
+        ValueError: the file cannot be read (names the folder, the file and the fix).
+    """
+    try:
+        return reader.from_pretrained(str(folder))
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(
+            f"Cannot read the {what} in {str(folder)!r} ({' '.join(str(err).split())[:200]}); fix the file, or "
+            "save it again with .save_pretrained(folder)."
+        ) from err
 
 
 def check_config_file(path: Path) -> None:

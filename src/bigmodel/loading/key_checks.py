@@ -149,6 +149,37 @@ def check_filled(
             "for another model, or nest its state dict under a key), or give them values before dispatching "
             "(initialise them, or tie them with model.tie_weights() if they are tied weights)."
         )
+    empty = [name for name in meta_non_persistent(model) if not is_meta_device(_mapped_to(name, device_map))]
+    if empty:
+        raise ValueError(
+            f"{len(empty)} non-persistent buffer(s) of {type(model).__name__} are on the meta device: "
+            f"{listed(empty)}. {NON_PERSISTENT_FIX}"
+        )
+
+
+NON_PERSISTENT_FIX = (
+    "Non-persistent buffers (register_buffer(..., persistent=False), e.g. a rotary embedding's inv_freq) are "
+    "never saved in a checkpoint, so no load fills them: build the model under init_empty_weights() without "
+    "include_buffers=True (buffers then keep their values), or set them before dispatching."
+)
+
+
+def meta_non_persistent(model: nn.Module) -> list[str]:
+    """Dotted names of the non-persistent buffers of ``model`` that are on ``meta`` (no load fills them)."""
+    return [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in sorted(module._non_persistent_buffers_set)
+        if (buffer := module._buffers.get(name)) is not None and buffer.device.type == "meta"
+    ]
+
+
+def warn_meta_non_persistent(model: nn.Module) -> None:
+    """Log a warning naming the non-persistent buffers a load leaves on ``meta``, and the fix."""
+    empty = meta_non_persistent(model)
+    if empty:
+        logger.warning("Loading checkpoint: %d non-persistent buffer(s) stay on the meta device: %s. %s",
+                       len(empty), listed(empty), NON_PERSISTENT_FIX)  # fmt: skip
 
 
 def _mapped_to(name: str, device_map: Mapping[str, DeviceSpec] | None) -> object:
@@ -158,4 +189,12 @@ def _mapped_to(name: str, device_map: Mapping[str, DeviceSpec] | None) -> object
 
 def _unfilled(mapped: object, in_index: bool) -> bool:
     """A tensor on ``meta`` lacks a value unless mapped to ``"meta"`` or on disk with an index entry."""
-    return mapped != "meta" and not (mapped == "disk" and in_index)
+    return not is_meta_device(mapped) and not (mapped == "disk" and in_index)
+
+
+def is_meta_device(mapped: object) -> bool:
+    """True for a device map value naming ``meta``: ``"meta"``, ``"META"``, ``torch.device("meta")``."""
+    try:
+        return mapped is not None and normalize_device(mapped) == "meta"
+    except ValueError:
+        return False

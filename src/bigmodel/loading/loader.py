@@ -47,12 +47,12 @@ from ..core.tensors import (
     set_module_tensor_to_device,
 )
 from ..offload.folder_lock import folder_lock
-from ..offload.format import files_no_offload_wrote
+from ..offload.format import files_no_offload_wrote, folder_path
 from ..offload.quantized import check_form, quantizable_names
 from ..offload.quantized_store import QuantizedFolderWrites
 from ..offload.storage import OffloadWriter
 from .conversion import KeyConversion, TensorRouter, convert_infos
-from .key_checks import check_shapes, listed, note_filled, placeable_device, report_keys
+from .key_checks import check_shapes, listed, note_filled, placeable_device, report_keys, warn_meta_non_persistent
 from .resident import bring_back, read_whole_pickles, unmapped
 
 logger = logging.getLogger(__name__)
@@ -239,6 +239,7 @@ def _make_plan(
     missing = sorted(set(expected) - set(infos) - filled)
     unexpected = sorted(set(infos) - set(expected))
     report_keys(missing, unexpected, strict)
+    warn_meta_non_persistent(model)
     check_shapes(expected, infos, plan.aliases)
     sourced = {name: infos.get(name) or next((infos[k] for k, v in plan.aliases.items() if name in v), None)
                for name in expected}
@@ -299,7 +300,7 @@ def _disk_writer(
             f"The device map puts {len(disk)} tensor(s) on 'disk' ({listed(disk)}) but no offload_folder was "
             "given; pass offload_folder=<a writable folder>."
         )
-    folder = Path(offload_folder).resolve()
+    folder = folder_path(offload_folder).resolve()
     source = Path(checkpoint).resolve()
     if folder in {f.parent for f in files} | {source if source.is_dir() else source.parent}:
         foreign = files_no_offload_wrote(folder, disk)

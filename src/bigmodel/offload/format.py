@@ -132,6 +132,21 @@ def _check_layout(entry: Mapping[str, Any], label: str, *, pointer: bool) -> Non
         parse_shape(entry.get("shape"), label)
 
 
+def folder_path(folder: str | os.PathLike, argument: str = "offload_folder") -> Path:
+    """``Path(folder)``, refusing an empty string: ``Path("")`` is the working directory, which an
+    offload would fill with ``.dat`` files and an ``index.json``.
+
+    Raises:
+        ValueError: ``folder`` is empty or blank (names the argument and the fix).
+    """
+    if isinstance(folder, str) and not folder.strip():
+        raise ValueError(
+            f"{argument}={folder!r} is empty; pass the path of a folder for the offloaded weights (created if "
+            "missing), e.g. 'offload' (or './' for the working directory)."
+        )
+    return Path(folder)
+
+
 def dat_path(folder: str | os.PathLike, name: str, create: bool = False) -> Path:
     """The ``.dat`` file of tensor ``name`` in an offload folder: ``<folder>/<name>.dat``.
 

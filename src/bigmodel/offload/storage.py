@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from .format import (
     _read_safetensors_entry,
     check_offload_index,
     dat_path,
+    folder_path,
     dtype_name,
     load_offload_index,
     load_offloaded_weight,
@@ -83,7 +83,7 @@ def offload_weight(
         ValueError: ``weight_name`` would leave the folder (see :func:`dat_path`).
         TypeError: ``weight`` is a tensor subclass that cannot be stored as plain tensors (names it and the fix).
     """
-    folder = Path(offload_folder)
+    folder = folder_path(offload_folder)
     dat_path(folder, weight_name)  # refuses names leaving the folder before anything is created
     check_flattenable(weight, weight_name)
     index = {} if index is None else index
@@ -120,7 +120,7 @@ def save_offload_index(index: Mapping[str, dict] | None, offload_folder: str | o
     """
     if not index:
         return
-    folder = Path(offload_folder)
+    folder = folder_path(offload_folder)
     previous = index_to_merge(folder)
     write_index({**previous, **index}, folder)
     warn_replaced(folder, previous, index)
@@ -145,7 +145,7 @@ def load_offloaded_weights(model: nn.Module, index: Mapping[str, dict] | None, o
     """
     if not index:
         return
-    folder = Path(offload_folder)
+    folder = folder_path(offload_folder)
     for name, info in index.items():
         if name.rpartition(".")[2] == "SCB":
             continue
@@ -237,7 +237,7 @@ class OffloadedWeightsLoader(Mapping):
             raise ValueError("OffloadedWeightsLoader needs a state_dict, a save_folder or an index.")
         self.state_dict = {} if state_dict is None else state_dict
         self.save_folder = save_folder  # as given (str stays str): callers read and join it
-        self._folder = None if save_folder is None else Path(save_folder)
+        self._folder = None if save_folder is None else folder_path(save_folder, "save_folder")
         if index is None and self._folder is not None:
             if not (self._folder / INDEX_NAME).is_file():
                 raise FileNotFoundError(

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from types import TracebackType
 
-from .format import INDEX_NAME, dat_path, entry_files
+from .format import INDEX_NAME, dat_path, entry_files, folder_path
 from .writer import atomic_write, write_index
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class OffloadFolderUndo:
     """
 
     def __init__(self, folder: str | os.PathLike | None) -> None:
-        self.folder = Path(folder) if folder is not None else None
+        self.folder = folder_path(folder) if folder is not None else None
         self._existed = False
         self._present: set[str] = set()  # every path inside the folder on entry (folders and links too)
         self._before: dict[str, tuple[int, int]] = {}  # the regular files among them: their identity

@@ -20,6 +20,7 @@ from ..core.warn import caller_stacklevel
 from .format import (
     INDEX_NAME,
     dat_path,
+    folder_path,
     dtype_name,
     is_offload_index,
     load_offload_index,
@@ -118,11 +119,12 @@ def warn_replaced(folder: Path, previous: Mapping[str, Any], new: Mapping[str, A
     ]
     if differing:
         others = len(set(previous) - set(new))
+        entries = f"{others} other entr{'y' if others == 1 else 'ies'}"
+        left = f", and its {entries} may still be that model's" if others else ""
         warnings.warn(
             f"Offload folder {str(folder)!r} held {len(differing)} tensor(s) under the same names with another "
             f"shape or dtype, now replaced ({'; '.join(differing[:3])}): it held another model's offload (or "
-            f"this one's in another dtype), and its {others} other entr{'y' if others == 1 else 'ies'} may "
-            "still be that model's; use one offload_folder per model (or delete this one first).",
+            f"this one's in another dtype){left}; use one offload_folder per model (or delete this one first).",
             UserWarning,
             stacklevel=caller_stacklevel(),
         )
@@ -132,10 +134,11 @@ def check_writable(folder: str | os.PathLike) -> None:
     """Create ``folder`` if missing and write (and delete) a probe file in it.
 
     Raises:
+        ValueError: ``folder`` is an empty string (see :func:`folder_path`).
         PermissionError: ``folder`` is a file, or cannot be created or written (names it and the fix).
         OSError: ``ENOSPC`` / ``EDQUOT``: the disk is full (see :func:`space_checked`).
     """
-    folder = Path(folder)
+    folder = folder_path(folder)
     if folder.exists() and not folder.is_dir():
         raise PermissionError(
             f"Offload folder {str(folder)!r} is not writable: it is a file, not a folder; pass an "
@@ -174,7 +177,7 @@ class OffloadWriter:
     """
 
     def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
+        self.folder = folder_path(folder)
         check_writable(self.folder)
         index_to_merge(self.folder)  # refuse a user's index.json before anything is written
         self.index: dict[str, dict] = {}

@@ -40,6 +40,7 @@ from .fill import (
     shortfall,
 )
 from .memory import get_balanced_memory, get_max_memory
+from .no_split import NoSplit, no_split_names
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,10 @@ STRING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 _REFILL_ROUNDS = 6
 
 
-def _no_split_set(model: nn.Module, no_split_module_classes: list[str] | str | None) -> set[str]:
-    if no_split_module_classes is None:
+def _no_split_set(model: nn.Module, no_split_module_classes: NoSplit) -> set[str]:
+    names = set(no_split_names(no_split_module_classes) or ())
+    if not names:
         return set()
-    names = {no_split_module_classes} if isinstance(no_split_module_classes, str) else set(no_split_module_classes)
     missing = set(names)
     for module in model.modules():
         missing.discard(type(module).__name__)
@@ -98,7 +99,8 @@ def infer_auto_device_map(
             gives its budget (transformers, diffusers and peft pass ``{"cpu": ...}`` and expect
             the rest on ``"disk"``).
         no_split_module_classes: class names whose modules are never split across devices
-            (e.g. ``["LlamaDecoderLayer"]``).  Names matching no module give a warning.
+            (e.g. ``["LlamaDecoderLayer"]``; a class object counts as its name).  Names matching no
+            module give a warning.
         dtype: size floating tensors as if cast to this dtype.
         special_dtypes: per-tensor dtype overrides, dotted name → dtype.
         verbose: log each placement decision (logging level INFO).
@@ -114,6 +116,7 @@ def infer_auto_device_map(
     Raises:
         ValueError: a module fits on no device (names it, its size in bytes and the fix), or a
             budget key or size is invalid.
+        TypeError: a ``no_split_module_classes`` entry that is neither a string nor a class.
     """
     no_split = _no_split_set(model, no_split_module_classes)
     devices, limits = _budget_list(max_memory)

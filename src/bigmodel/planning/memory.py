@@ -23,6 +23,7 @@ from ..core.devices import (
     normalize_device,
 )
 from ..core.sizes import compute_module_sizes, convert_file_size_to_int
+from .no_split import no_split_names
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +130,7 @@ def _balance_layer_size(
     sizes, each class sized by its first module holding tensors (as accelerate 1.15 does, so a model
     whose later blocks of a class are wider gets the same budgets), or the mean of the leaf modules
     that hold tensors (root excluded), whichever is larger."""
-    no_split = no_split_module_classes or ()
-    no_split = {no_split} if isinstance(no_split, str) else set(no_split)
+    no_split = set(no_split_names(no_split_module_classes) or ())
     first_of_class: dict[str, int] = {}
     leaves = []
     for name, module in model.named_modules():
