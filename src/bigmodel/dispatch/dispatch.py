@@ -21,7 +21,6 @@ from torch import nn
 from ..core.devices import DeviceSpec, is_accelerator, normalize_device, torch_device
 from ..core.tensors import (
     find_tied_parameters,
-    get_submodule_and_name,
     name_prefixes,
     retie_parameters,
 )
@@ -49,7 +48,7 @@ from .redispatch import (
     _undispatch,
     hooks_removed_on_error,
 )
-from .index_gaps import values_the_index_lacks
+from .index_gaps import tensor_at, values_the_index_lacks
 from .meta_values import refuse_meta_non_persistent, refuse_meta_tensors
 from .uncovered import place_uncovered_buffers
 from .whole_model import (
@@ -102,15 +101,10 @@ def _tied_params_map(model: nn.Module, tied: list[list[str]]) -> dict[int, dict]
     pointers: dict[int, dict] = {}
     for group in tied:
         for name in group:
-            tensor = _tensor_at(model, name)
+            tensor = tensor_at(model, name)
             if tensor.device.type != "meta":
                 pointers[tensor.data_ptr()] = {}
     return pointers
-
-
-def _tensor_at(model: nn.Module, name: str) -> torch.Tensor:
-    sub, attr = get_submodule_and_name(model, name)
-    return getattr(sub, attr)
 
 
 def _resident_groups(model: nn.Module, tied: list[list[str]], device_map: Mapping[str, DeviceSpec]) -> list[list[str]]:

@@ -26,7 +26,7 @@ from torch import nn
 from ..core.tensors import get_submodule_and_name
 from ..offload.storage import extract_submodules_state_dict
 
-__all__ = ["values_the_index_lacks"]
+__all__ = ["tensor_at", "values_the_index_lacks"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def _tied_in_memory(model: nn.Module, tied: list[list[str]], disk_modules: list[
     """Tied names of disk modules that ``index`` lacks, each with a member's value in memory."""
     out: dict[str, torch.Tensor] = {}
     for group in tied:
-        values = [tensor for tensor in (_tensor_at(model, name) for name in group) if tensor.device.type != "meta"]
+        values = [tensor for tensor in (tensor_at(model, name) for name in group) if tensor.device.type != "meta"]
         for name in group:
             on_disk = any(not m or name == m or name.startswith(m + ".") for m in disk_modules)
             if values and on_disk and name not in index:
@@ -70,6 +70,7 @@ def _tied_in_memory(model: nn.Module, tied: list[list[str]], disk_modules: list[
     return out
 
 
-def _tensor_at(model: nn.Module, name: str) -> torch.Tensor:
+def tensor_at(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` (dotted, from ``model``) as the model holds it."""
     sub, attr = get_submodule_and_name(model, name)
     return getattr(sub, attr)
