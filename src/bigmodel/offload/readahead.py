@@ -58,6 +58,7 @@ from .file_spans import (  # noqa: F401 (re-exported)
     resident,
     supported,
 )
+from .drop import drop
 from .file_spans import PAGE as _PAGE
 from .pages import available_memory
 from .spread import spread_kept
@@ -111,8 +112,9 @@ def will_need(spans: Iterable[Span]) -> None:
 
 
 def release(spans: Iterable[Span]) -> None:
-    """Drop the spans' clean file pages from memory (``MADV_PAGEOUT``; ``MADV_COLD`` where unsupported)."""
-    for address, length in spans:
+    """Drop the spans' clean file pages from memory (:func:`~bigmodel.offload.drop.drop`: unmapped, then
+    dropped from the page cache; a span it leaves, ``MADV_PAGEOUT``, or ``MADV_COLD`` where unsupported)."""
+    for address, length in drop(spans):
         if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_PAGEOUT) != 0:
             _LIBC.madvise(ctypes.c_void_p(address), length, MADV_COLD)
 

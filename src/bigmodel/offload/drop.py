@@ -1,0 +1,131 @@
+"""Drop the pages of used file-backed spans from memory with little CPU time.
+
+A streaming read-ahead releases each module once it has run.  ``madvise(MADV_PAGEOUT)`` reclaims a
+span's pages itself: 0.26-0.45 s of CPU time per 810 MB on the 2-core development machine
+(BENCHMARKS.md, sessions 7 and 11), a tenth of what two CPUs give a forward there.  Unmapping the
+span (``MADV_DONTNEED``) and then dropping its file range from the page cache
+(``posix_fadvise(POSIX_FADV_DONTNEED)``) frees the same pages in a few tens of milliseconds.
+
+``MADV_DONTNEED`` would also discard a page written in place in a private mapping (torch maps files
+privately and writable, ``UntypedStorage.from_file(shared=False)``): a span holding such a page (in
+``/proc/self/pagemap``: present, not a file page) is not dropped here, and the caller pages it out,
+which keeps the written page.  Neither call changes a value read later: a dropped page is read
+again from its file.  Linux only; elsewhere (or without ``/proc/self/pagemap``) nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from .file_spans import _LIBC, PAGE, Span
+
+logger = logging.getLogger(__name__)
+
+MADV_DONTNEED = 4
+_PRESENT = np.uint64(1 << 63)
+_FILE_PAGE = np.uint64(1 << 61)  # a file page or shared anonymous memory: not a private copy
+
+
+class _Mappings:
+    """This process's file mappings (start, end, file offset, path), read again when an address is unknown."""
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[int, int, int, str]] = []
+        self._starts: list[int] = []
+        self._fds: dict[str, int] = {}
+
+    def find(self, address: int) -> tuple[int, int, int, str] | None:
+        row = self._lookup(address)
+        if row is None:
+            self._read()
+            row = self._lookup(address)
+        return row
+
+    def fd(self, path: str) -> int | None:
+        """A read-only descriptor of ``path`` (kept open), or None (a deleted or unreadable file)."""
+        if path not in self._fds:
+            try:
+                self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                return None
+        return self._fds[path]
+
+    def _lookup(self, address: int) -> tuple[int, int, int, str] | None:
+        i = bisect.bisect_right(self._starts, address) - 1
+        return self._rows[i] if i >= 0 and address < self._rows[i][1] else None
+
+    def _read(self) -> None:
+        rows = []
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[4] != "0" and parts[5].startswith("/"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    rows.append((lo, hi, int(parts[2], 16), parts[5].rstrip("\n")))
+        rows.sort()
+        self._rows, self._starts = rows, [row[0] for row in rows]
+
+
+_MAPPINGS = _Mappings()
+_PAGEMAP: dict[int, int | None] = {}  # pid -> its /proc/self/pagemap descriptor (None: unavailable)
+
+
+def drop(spans: Iterable[Span]) -> list[Span]:
+    """Drop the pages of ``spans`` (page-aligned, in file mappings) from memory where that is safe and cheap.
+
+    Returns:
+        The spans not dropped (written in place, not in one file mapping, or the calls unavailable):
+        the caller releases them another way (``MADV_PAGEOUT``).
+    """
+    left = []
+    for span in spans:
+        if not _drop_one(span):
+            left.append(span)
+    return left
+
+
+def _drop_one(span: Span) -> bool:
+    address, length = span
+    row = _MAPPINGS.find(address) if _LIBC is not None and hasattr(os, "posix_fadvise") else None
+    if row is None or address + length > row[1] or _written(address, length):
+        return False
+    fd = _MAPPINGS.fd(row[3])
+    if fd is None:
+        return False
+    if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_DONTNEED) != 0:
+        return False
+    try:
+        os.posix_fadvise(fd, row[2] + address - row[0], length, os.POSIX_FADV_DONTNEED)
+    except OSError as error:  # unmapped but cached: the kernel reclaims the pages when it needs them
+        logger.debug("posix_fadvise(DONTNEED) of %s failed: %s", row[3], error)
+    return True
+
+
+def _written(address: int, length: int) -> bool:
+    """True if a page of the span is a private copy (written in place), or when that cannot be known."""
+    fd = _pagemap()
+    if fd is None:
+        return True
+    try:
+        raw = os.pread(fd, 8 * (length // PAGE), 8 * (address // PAGE))
+    except OSError:
+        return True
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    return len(raw) != 8 * (length // PAGE) or bool(np.any((entries & _PRESENT != 0) & (entries & _FILE_PAGE == 0)))
+
+
+def _pagemap() -> int | None:
+    """This process's pagemap (opened again in a forked child: an inherited one reads the parent's)."""
+    pid = os.getpid()
+    if pid not in _PAGEMAP:
+        try:
+            _PAGEMAP[pid] = os.open("/proc/self/pagemap", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            _PAGEMAP[pid] = None
+    return _PAGEMAP[pid]

@@ -1,0 +1,56 @@
+"""Dropping used file pages cheaply (unmap, then drop the file range), never a page written in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _page_cache import drop as drop_cache
+from safetensors.torch import save_file
+
+from bigmodel.offload import readahead
+from bigmodel.offload.drop import drop
+from bigmodel.offload.storage import OffloadedWeightsLoader
+
+pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
+
+
+def _faulted_in(tmp_path) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """A 4 MiB safetensors tensor read in place (a private file mapping), every page faulted in; its
+    values (copied) and its page-aligned span."""
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.arange(2**20, dtype=torch.float32)}, path)
+    drop_cache(path)
+    index = {"w": {"safetensors_file": path, "weight_name": "w", "dtype": "float32", "shape": [2**20]}}
+    mapped = OffloadedWeightsLoader(index=index)["w"]
+    expected = mapped.clone()  # faults every page in
+    spans = readahead.file_spans([mapped], readahead.file_mappings())
+    assert readahead.resident(spans)
+    return mapped, expected, spans
+
+
+def test_clean_pages_leave_memory_and_read_back_the_same(tmp_path):
+    mapped, expected, spans = _faulted_in(tmp_path)
+    assert drop(spans) == []
+    (address, length), page = spans[0], 4096
+    pages = [(address + k * page, page) for k in range(0, length // page, 64)]
+    assert not any(readahead.resident([one]) for one in pages)  # dropped from the page cache, not only unmapped
+    assert torch.equal(mapped, expected)  # read again from the file
+
+
+def test_a_span_with_a_page_written_in_place_is_left_and_paged_out_keeping_the_write(tmp_path):
+    mapped, expected, spans = _faulted_in(tmp_path)
+    mapped[1000] = -1.0  # a private copy of that page: MADV_DONTNEED would put the file's value back
+    assert drop(spans) == spans
+    readahead.release(spans)
+    assert float(mapped[1000]) == -1.0
+    expected[1000] = -1.0
+    assert torch.equal(mapped, expected)
+
+
+def test_memory_outside_file_mappings_is_left(tmp_path):
+    anonymous = torch.ones(2**20)
+    page = 4096
+    start = -(-anonymous.data_ptr() // page) * page
+    span = (start, 16 * page)
+    assert drop([span]) == [span]
+    assert torch.equal(anonymous, torch.ones(2**20))
