@@ -161,15 +161,23 @@ def check_execution_device(device: DeviceSpec, argument: str = "execution_device
         target = torch_device(device)
     except DeviceSpecError as err:
         raise DeviceSpecError(f"{argument}={device!r}: {err}") from err
-    if target.type in ("cpu", "meta"):
-        return
-    kind, count = accelerator_type(), accelerator_count()
-    if kind is None or target.type != kind or (target.index or 0) >= count:
-        have = f"{count} {kind} device(s), 0 to {count - 1}" if kind is not None and count else "no accelerator"
+    have = lacking_device(target)
+    if have is not None:
         raise DeviceSpecError(
             f"{argument}={device!r} is not a device of this machine, which has {have}; pass an existing device "
             "or 'cpu'."
         )
+
+
+def lacking_device(target: torch.device) -> str | None:
+    """None if ``target`` is cpu, meta or an accelerator this machine has; else what it has instead
+    (``"2 cuda device(s), 0 to 1"``, ``"no accelerator"``), for an error message."""
+    if target.type in ("cpu", "meta"):
+        return None
+    kind, count = accelerator_type(), accelerator_count()
+    if kind is None or target.type != kind or (target.index or 0) >= count:
+        return f"{count} {kind} device(s), 0 to {count - 1}" if kind is not None and count else "no accelerator"
+    return None
 
 
 def device_sort_key(device: int | str) -> tuple[int, int]:

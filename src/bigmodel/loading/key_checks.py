@@ -14,8 +14,7 @@ from ..checkpoints.files import TensorInfo
 from ..core.coverage import device_of, is_covered
 from ..core.devices import (
     DeviceSpec,
-    accelerator_count,
-    accelerator_type,
+    lacking_device,
     normalize_device,
     torch_device,
 )
@@ -111,11 +110,8 @@ def placeable_device(name: str, device: DeviceSpec) -> torch.device:
         target = torch_device(device)
     except ValueError as err:
         raise ValueError(f"The device map puts {name!r} on {device!r}: {err}") from err
-    if target.type in ("cpu", "meta"):
-        return target
-    kind, count = accelerator_type(), accelerator_count()
-    if kind is None or target.type != kind or (target.index or 0) >= count:
-        have = f"{count} {kind} device(s), 0 to {count - 1}" if kind is not None and count else "no accelerator"
+    have = lacking_device(target)
+    if have is not None:
         raise ValueError(
             f"The device map puts {name!r} on {device!r}, but this machine has {have}; map it to an existing "
             "device, 'cpu' or 'disk'."
