@@ -54,3 +54,28 @@ def test_memory_outside_file_mappings_is_left(tmp_path):
     span = (start, 16 * page)
     assert drop([span]) == [span]
     assert torch.equal(anonymous, torch.ones(2**20))
+
+
+def _map_raw(path, values: torch.Tensor) -> torch.Tensor:
+    """``values`` written to ``path`` (a new file, replacing any there), mapped privately as torch maps
+    checkpoints."""
+    tmp = path.with_suffix(".tmp")
+    values.numpy().tofile(tmp)
+    tmp.replace(path)  # a new inode at the same path
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=values.nbytes)
+    return torch.tensor([], dtype=values.dtype).set_(storage)
+
+
+def test_a_file_written_anew_at_the_same_path_is_dropped_too(tmp_path):
+    """An offload folder's ``.dat`` file rewritten by a new dispatch is another file at the same path: its
+    pages are dropped (not those of the file the path named before)."""
+    path, page = tmp_path / "w.dat", 4096
+    first = _map_raw(path, torch.arange(2**20, dtype=torch.float32))
+    assert drop(readahead.file_spans([first], readahead.file_mappings())) == []
+    second = _map_raw(path, -torch.arange(2**20, dtype=torch.float32))
+    expected = second.clone()  # faults every page in
+    spans = readahead.file_spans([second], readahead.file_mappings())
+    assert drop(spans) == []
+    (address, length) = spans[0]
+    assert not any(readahead.resident([(address + k * page, page)]) for k in range(0, length // page, 64))
+    assert torch.equal(second, expected) and float(first[5]) == 5.0

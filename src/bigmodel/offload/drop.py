@@ -33,30 +33,35 @@ _FILE_PAGE = np.uint64(1 << 61)  # a file page or shared anonymous memory: not a
 
 
 class _Mappings:
-    """This process's file mappings (start, end, file offset, path), read again when an address is unknown."""
+    """This process's file mappings (start, end, file offset, path, inode), read again when an address is unknown."""
 
     def __init__(self) -> None:
-        self._rows: list[tuple[int, int, int, str]] = []
+        self._rows: list[tuple[int, int, int, str, int]] = []
         self._starts: list[int] = []
         self._fds: dict[str, int] = {}
 
-    def find(self, address: int) -> tuple[int, int, int, str] | None:
+    def find(self, address: int) -> tuple[int, int, int, str, int] | None:
         row = self._lookup(address)
         if row is None:
             self._read()
             row = self._lookup(address)
         return row
 
-    def fd(self, path: str) -> int | None:
-        """A read-only descriptor of ``path`` (kept open), or None (a deleted or unreadable file)."""
-        if path not in self._fds:
+    def fd(self, path: str, inode: int) -> int | None:
+        """A read-only descriptor of file ``inode`` at ``path`` (kept open), or None (deleted, replaced or
+        unreadable: a file written anew at the same path, e.g. an offload folder's, is another inode)."""
+        fd = self._fds.get(path)
+        if fd is None or os.fstat(fd).st_ino != inode:
+            if fd is not None:
+                os.close(self._fds.pop(path))
             try:
-                self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError:
                 return None
-        return self._fds[path]
+            self._fds[path] = fd
+        return fd if os.fstat(fd).st_ino == inode else None
 
-    def _lookup(self, address: int) -> tuple[int, int, int, str] | None:
+    def _lookup(self, address: int) -> tuple[int, int, int, str, int] | None:
         i = bisect.bisect_right(self._starts, address) - 1
         return self._rows[i] if i >= 0 and address < self._rows[i][1] else None
 
@@ -67,7 +72,7 @@ class _Mappings:
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6 and parts[4] != "0" and parts[5].startswith("/"):
                     lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    rows.append((lo, hi, int(parts[2], 16), parts[5].rstrip("\n")))
+                    rows.append((lo, hi, int(parts[2], 16), parts[5].rstrip("\n"), int(parts[4])))
         rows.sort()
         self._rows, self._starts = rows, [row[0] for row in rows]
 
@@ -95,7 +100,7 @@ def _drop_one(span: Span) -> bool:
     row = _MAPPINGS.find(address) if _LIBC is not None and hasattr(os, "posix_fadvise") else None
     if row is None or address + length > row[1] or _written(address, length):
         return False
-    fd = _MAPPINGS.fd(row[3])
+    fd = _MAPPINGS.fd(row[3], row[4])
     if fd is None:
         return False
     if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_DONTNEED) != 0:
