@@ -14,8 +14,7 @@ from itertools import chain
 from torch import nn
 
 from ..core.devices import DeviceSpec, torch_device
-from ..core.coverage import device_of, is_covered
-from ..loading.key_checks import NON_PERSISTENT_FIX, is_meta_device, listed, meta_non_persistent
+from ..loading.key_checks import NON_PERSISTENT_FIX, listed, meta_non_persistent
 
 __all__ = ["MetaTensorError", "refuse_meta_non_persistent", "refuse_meta_tensors"]
 
@@ -68,10 +67,7 @@ def refuse_meta_non_persistent(model: nn.Module, device_map: Mapping[str, Device
     Raises:
         MetaTensorError: names the buffers and the fix (nothing is changed).
     """
-    empty = [
-        name for name in meta_non_persistent(model)
-        if not (is_covered(name, device_map) and is_meta_device(device_of(name, device_map)))
-    ]  # fmt: skip
+    empty = meta_non_persistent(model, device_map)
     if empty:
         raise MetaTensorError(
             f"{len(empty)} non-persistent buffer(s) of {type(model).__name__} are on the meta device and hold no "

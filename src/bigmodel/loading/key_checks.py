@@ -145,7 +145,7 @@ def check_filled(
             "for another model, or nest its state dict under a key), or give them values before dispatching "
             "(initialise them, or tie them with model.tie_weights() if they are tied weights)."
         )
-    empty = [name for name in meta_non_persistent(model) if not is_meta_device(_mapped_to(name, device_map))]
+    empty = meta_non_persistent(model, device_map)
     if empty:
         raise ValueError(
             f"{len(empty)} non-persistent buffer(s) of {type(model).__name__} are on the meta device: "
@@ -160,14 +160,16 @@ NON_PERSISTENT_FIX = (
 )
 
 
-def meta_non_persistent(model: nn.Module) -> list[str]:
-    """Dotted names of the non-persistent buffers of ``model`` that are on ``meta`` (no load fills them)."""
-    return [
-        f"{prefix}.{name}" if prefix else name
-        for prefix, module in model.named_modules()
-        for name in sorted(module._non_persistent_buffers_set)
-        if (buffer := module._buffers.get(name)) is not None and buffer.device.type == "meta"
-    ]
+def meta_non_persistent(model: nn.Module, device_map: Mapping[str, DeviceSpec] | None = None) -> list[str]:
+    """Dotted names of the non-persistent buffers of ``model`` that are on ``meta`` (no load fills them),
+    but those ``device_map`` (when given) maps to ``"meta"`` itself."""
+    names = []
+    for prefix, module in model.named_modules():
+        for name in sorted(module._non_persistent_buffers_set):
+            buffer, full = module._buffers.get(name), f"{prefix}.{name}" if prefix else name
+            if buffer is not None and buffer.device.type == "meta" and not is_meta_device(_mapped_to(full, device_map)):
+                names.append(full)
+    return names
 
 
 def warn_meta_non_persistent(model: nn.Module) -> None:
