@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .file_spans import _LIBC, PAGE, Span
+from .file_spans import _LIBC, PAGE, MappingRow, Span, file_mapping_rows
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +33,19 @@ _FILE_PAGE = np.uint64(1 << 61)  # a file page or shared anonymous memory: not a
 
 
 class _Mappings:
-    """This process's file mappings (start, end, file offset, path, inode), read again when an address is unknown."""
+    """This process's file mappings (:class:`MappingRow`), read again when an address is unknown, and
+    read-only descriptors of their files."""
 
     def __init__(self) -> None:
-        self._rows: list[tuple[int, int, int, str, int]] = []
+        self._rows: list[MappingRow] = []
         self._starts: list[int] = []
         self._fds: dict[str, int] = {}
 
-    def find(self, address: int) -> tuple[int, int, int, str, int] | None:
+    def find(self, address: int) -> MappingRow | None:
         row = self._lookup(address)
         if row is None:
-            self._read()
+            self._rows = file_mapping_rows()
+            self._starts = [row.start for row in self._rows]
             row = self._lookup(address)
         return row
 
@@ -61,20 +63,9 @@ class _Mappings:
             self._fds[path] = fd
         return fd if os.fstat(fd).st_ino == inode else None
 
-    def _lookup(self, address: int) -> tuple[int, int, int, str, int] | None:
+    def _lookup(self, address: int) -> MappingRow | None:
         i = bisect.bisect_right(self._starts, address) - 1
-        return self._rows[i] if i >= 0 and address < self._rows[i][1] else None
-
-    def _read(self) -> None:
-        rows = []
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[4] != "0" and parts[5].startswith("/"):
-                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    rows.append((lo, hi, int(parts[2], 16), parts[5].rstrip("\n"), int(parts[4])))
-        rows.sort()
-        self._rows, self._starts = rows, [row[0] for row in rows]
+        return self._rows[i] if i >= 0 and address < self._rows[i].end else None
 
 
 _MAPPINGS = _Mappings()
@@ -98,17 +89,17 @@ def drop(spans: Iterable[Span]) -> list[Span]:
 def _drop_one(span: Span) -> bool:
     address, length = span
     row = _MAPPINGS.find(address) if _LIBC is not None and hasattr(os, "posix_fadvise") else None
-    if row is None or address + length > row[1] or _written(address, length):
+    if row is None or address + length > row.end or _written(address, length):
         return False
-    fd = _MAPPINGS.fd(row[3], row[4])
+    fd = _MAPPINGS.fd(row.path, row.inode)
     if fd is None:
         return False
     if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_DONTNEED) != 0:
         return False
     try:
-        os.posix_fadvise(fd, row[2] + address - row[0], length, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, row.offset + address - row.start, length, os.POSIX_FADV_DONTNEED)
     except OSError as error:  # unmapped but cached: the kernel reclaims the pages when it needs them
-        logger.debug("posix_fadvise(DONTNEED) of %s failed: %s", row[3], error)
+        logger.debug("posix_fadvise(DONTNEED) of %s failed: %s", row.path, error)
     return True
 
 

@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import os
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 from typing import Any
 
 import torch
@@ -78,19 +79,34 @@ def file_mappings() -> list[tuple[int, int]]:
     Also notes, for :func:`bigmodel.offload.readahead.will_need`, how many bytes one advice reads on each mapping's device.
     """
     global _ADVICE_SPANS
-    spans, advice = [], []
+    rows = file_mapping_rows()
+    _ADVICE_SPANS = [(row.start, row.end, advice_bytes(row.device)) for row in rows]
+    return [(row.start, row.end) for row in rows]
+
+
+class MappingRow(NamedTuple):
+    """One mapping of a regular file, from ``/proc/self/maps``."""
+
+    start: int
+    end: int
+    offset: int  # in the file, of ``start``
+    device: str  # ``"fe:01"`` (hex major:minor)
+    inode: int
+    path: str
+
+
+def file_mapping_rows() -> list[MappingRow]:
+    """This process's mappings of regular files (not ``/dev/``), sorted by address."""
+    rows = []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
             if len(parts) < 6 or parts[4] == "0" or not parts[5].startswith("/") or parts[5].startswith("/dev/"):
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            spans.append((lo, hi))
-            advice.append((lo, hi, advice_bytes(parts[3])))
-    spans.sort()
-    advice.sort()
-    _ADVICE_SPANS = advice
-    return spans
+            rows.append(MappingRow(lo, hi, int(parts[2], 16), parts[3], int(parts[4]), parts[5].rstrip("\n")))
+    rows.sort()
+    return rows
 
 
 def file_spans(tensors: Iterable[torch.Tensor], mappings: Sequence[tuple[int, int]]) -> list[Span]:
