@@ -42,8 +42,8 @@ def refuse_meta_tensors(model: nn.Module, device: DeviceSpec) -> None:
         return
     tensors = chain(model.named_parameters(), model.named_buffers())
     on_meta = [name for name, tensor in tensors if tensor.device.type == "meta"]
-    empty = set(meta_non_persistent(model))
-    if on_meta and empty.issuperset(on_meta):  # only buffers no checkpoint holds: loading would not help
+    # Only buffers no checkpoint holds (asked only when something is on meta): loading would not help.
+    if on_meta and set(meta_non_persistent(model)).issuperset(on_meta):
         raise MetaTensorError(
             f"{len(on_meta)} non-persistent buffer(s) of {type(model).__name__} are on the meta device, so the "
             f"model cannot be moved to {str(device)!r}: {listed(on_meta)}. {NON_PERSISTENT_FIX}"
