@@ -79,3 +79,26 @@ def test_a_file_written_anew_at_the_same_path_is_dropped_too(tmp_path):
     (address, length) = spans[0]
     assert not any(readahead.resident([(address + k * page, page)]) for k in range(0, length // page, 64))
     assert torch.equal(second, expected) and float(first[5]) == 5.0
+
+
+def test_another_file_mapped_where_a_dropped_one_was_is_dropped(tmp_path):
+    """A model deleted and another loaded: the new file's mapping can take the old one's addresses, and the
+    row kept from the old one must not be used (its file's pages would be dropped, the new ones kept)."""
+    page = 4096
+    for attempt in range(8):  # the kernel usually hands the freed range out again at once
+        first = _map_raw(tmp_path / f"a{attempt}.dat", torch.arange(2**20, dtype=torch.float32))
+        old = readahead.file_spans([first], readahead.file_mappings())
+        assert drop(old) == []
+        del first
+        second = _map_raw(tmp_path / f"b{attempt}.dat", -torch.arange(2**20, dtype=torch.float32))
+        drop_cache(tmp_path / f"b{attempt}.dat")  # written back: a dirty page is never dropped
+        expected = second.clone()  # faults every page in
+        spans = readahead.file_spans([second], readahead.file_mappings())
+        if spans == old:
+            break
+    else:
+        pytest.skip("the new mapping never took the old one's addresses")
+    assert drop(spans) == []
+    (address, length) = spans[0]
+    assert not any(readahead.resident([(address + k * page, page)]) for k in range(0, length // page, 64))
+    assert torch.equal(second, expected)

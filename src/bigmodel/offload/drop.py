@@ -32,20 +32,26 @@ _PRESENT = np.uint64(1 << 63)
 _FILE_PAGE = np.uint64(1 << 61)  # a file page or shared anonymous memory: not a private copy
 
 
-class _Mappings:
-    """This process's file mappings (:class:`MappingRow`), read again when an address is unknown, and
-    read-only descriptors of their files."""
+class Mappings:
+    """This process's file mappings (:class:`MappingRow`), read at the first lookup and again when an
+    address is unknown (a row found may be stale: a mapping since replaced by another at the same
+    address), and read-only descriptors of their files."""
 
     def __init__(self) -> None:
-        self._rows: list[MappingRow] = []
-        self._starts: list[int] = []
+        self._table: tuple[list[MappingRow], list[int]] = ([], [])  # rows and their starts, replaced together
         self._fds: dict[str, int] = {}
 
-    def find(self, address: int) -> MappingRow | None:
-        row = self._lookup(address)
+    def find(self, address: int, fresh: bool = False) -> MappingRow | None:
+        """The row holding ``address`` (``fresh``: from ``/proc/self/maps`` read now), or None.
+
+        A row kept from an earlier read is checked first (``/proc/self/map_files``: the mapping with
+        those bounds still maps that inode): a model deleted and another loaded can reuse the addresses."""
+        row = None if fresh else self._lookup(address)
+        if row is not None and not _current(row):
+            row = None
         if row is None:
-            self._rows = file_mapping_rows()
-            self._starts = [row.start for row in self._rows]
+            rows = file_mapping_rows()
+            self._table = (rows, [row.start for row in rows])  # one assignment: other threads look up too
             row = self._lookup(address)
         return row
 
@@ -64,11 +70,20 @@ class _Mappings:
         return fd if os.fstat(fd).st_ino == inode else None
 
     def _lookup(self, address: int) -> MappingRow | None:
-        i = bisect.bisect_right(self._starts, address) - 1
-        return self._rows[i] if i >= 0 and address < self._rows[i].end else None
+        rows, starts = self._table
+        i = bisect.bisect_right(starts, address) - 1
+        return rows[i] if i >= 0 and address < rows[i].end else None
 
 
-_MAPPINGS = _Mappings()
+def _current(row: MappingRow) -> bool:
+    """True if the mapping ``row`` describes is still there, of the same file."""
+    try:
+        return os.stat(f"/proc/self/map_files/{row.start:x}-{row.end:x}").st_ino == row.inode
+    except OSError:  # gone, or map_files unreadable here: read the maps again
+        return False
+
+
+_MAPPINGS = Mappings()
 _PAGEMAP: dict[int, int | None] = {}  # pid -> its /proc/self/pagemap descriptor (None: unavailable)
 
 
@@ -89,9 +104,12 @@ def drop(spans: Iterable[Span]) -> list[Span]:
 def _drop_one(span: Span) -> bool:
     address, length = span
     row = _MAPPINGS.find(address) if _LIBC is not None and hasattr(os, "posix_fadvise") else None
-    if row is None or address + length > row.end or _written(address, length):
+    if row is None or address + length > row.end or written(address, length):
         return False
     fd = _MAPPINGS.fd(row.path, row.inode)
+    if fd is None:  # the row may be stale (the file mapped at that address since): ask once more
+        row = _MAPPINGS.find(address, fresh=True)
+        fd = None if row is None or address + length > row.end else _MAPPINGS.fd(row.path, row.inode)
     if fd is None:
         return False
     if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_DONTNEED) != 0:
@@ -103,7 +121,7 @@ def _drop_one(span: Span) -> bool:
     return True
 
 
-def _written(address: int, length: int) -> bool:
+def written(address: int, length: int) -> bool:
     """True if a page of the span is a private copy (written in place), or when that cannot be known."""
     fd = _pagemap()
     if fd is None:
