@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -110,6 +111,46 @@ def read_cold(ranges: Ranges) -> tuple[float, int]:
     seconds = time.perf_counter() - t0
     drop(ranges)
     return seconds, total
+
+
+def read_direct(ranges: Ranges, chunk: int = 128 << 20, threads: int = 2) -> tuple[float, int]:
+    """Read the ranges (widened to whole pages) with ``O_DIRECT``, ``threads`` ``chunk``-byte ``preadv`` calls
+    in flight, into buffers allocated (and touched) before the clock starts: the storage's own rate, without
+    the page cache's CPU time per byte. Returns (seconds, bytes of the ranges)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    page = 4096
+    jobs = []
+    for path, spans in ranges.items():
+        for start, end in merge(sorted(spans)):
+            lo, hi = start - start % page, -(-end // page) * page
+            jobs += [(path, pos, min(chunk, hi - pos)) for pos in range(lo, hi, chunk)]
+    buffers = [mmap.mmap(-1, chunk) for _ in range(threads)]
+    for buffer in buffers:
+        buffer.write(b"\1" * chunk)  # touched: the clock measures the storage, not first touches
+    fds = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in ranges}
+    free = list(buffers)
+    lock = threading.Lock()
+
+    def one(job: tuple[str, int, int]) -> None:
+        path, pos, length = job
+        with lock:
+            buffer = free.pop()
+        try:
+            os.preadv(fds[path], [memoryview(buffer)[:length]], pos)
+        finally:
+            with lock:
+                free.append(buffer)
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, jobs))
+        seconds = time.perf_counter() - t0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return seconds, sum(end - start for spans in ranges.values() for start, end in merge(sorted(spans)))
 
 
 def whole_files(paths: Iterable[str | Path]) -> dict[str, list[tuple[int, int]]]:

@@ -22,7 +22,7 @@ from torch import nn
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks.align_hook import loading_hook_of
-from bigmodel.offload import readahead, resident
+from bigmodel.offload import in_order, readahead, resident
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
@@ -61,7 +61,7 @@ class Calls:
             self.released.append(spans)
             release(spans)
 
-        monkeypatch.setattr(readahead, "will_need", needing)
+        monkeypatch.setattr(in_order, "will_need", needing)
         monkeypatch.setattr(readahead, "release", releasing)
 
 

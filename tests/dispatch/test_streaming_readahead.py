@@ -23,7 +23,7 @@ from _page_cache import drop, write_wide_llama
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks.align_hook import loading_hook_of
-from bigmodel.offload import readahead
+from bigmodel.offload import in_order, readahead
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
@@ -72,7 +72,7 @@ class Calls:
             self._record("release", spans)
             release(spans)
 
-        monkeypatch.setattr(readahead, "will_need", needing)
+        monkeypatch.setattr(in_order, "will_need", needing)
         monkeypatch.setattr(readahead, "release", releasing)
 
     def _record(self, kind: str, spans: list) -> None:

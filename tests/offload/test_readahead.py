@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from bigmodel import disk_offload
-from bigmodel.offload import readahead
+from bigmodel.offload import in_order, readahead
 from bigmodel.offload.storage import OffloadedWeightsLoader
 
 pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
@@ -115,8 +115,8 @@ def test_reads_in_flight_follow_the_largest_module(tmp_path, monkeypatch):
     assert readahead.in_flight_for(100 * 10**6) == 64 << 20
     assert readahead.in_flight_for(600 << 20) == 100 << 20
     assert readahead.in_flight_for(810 * 10**6) == readahead.in_flight_for(8 << 30) == 128 << 20
-    monkeypatch.setattr(readahead, "IN_FLIGHT_BYTES", 64 << 10)
-    monkeypatch.setattr(readahead, "IN_FLIGHT_MAX", 4 << 20)
+    monkeypatch.setattr(in_order, "IN_FLIGHT_BYTES", 64 << 10)
+    monkeypatch.setattr(in_order, "IN_FLIGHT_MAX", 4 << 20)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 256))  # 4 MiB + 4 KiB, then 1 MiB + 1 KiB
     disk_offload(model, tmp_path / "offload", execution_device="cpu")
     with torch.no_grad():
@@ -172,7 +172,7 @@ def test_in_order_reads_ask_in_order_with_at_most_a_window_in_flight(tmp_path, m
         events.append(("arrived", self._in_flight[0][0], None))
         arrived(self)
 
-    monkeypatch.setattr(readahead, "will_need", asking)
+    monkeypatch.setattr(in_order, "will_need", asking)
     monkeypatch.setattr(readahead.InOrder, "_arrived", waiting)
     reads.read(spans, keep=mapped)
     reads.wait()
@@ -210,7 +210,7 @@ def test_in_order_reads_of_a_module_released_meanwhile_stop(tmp_path, monkeypatc
         touched.append(args)
         return frombuffer(*args, **kwargs)
 
-    monkeypatch.setattr(readahead, "will_need", asking)
+    monkeypatch.setattr(in_order, "will_need", asking)
     monkeypatch.setattr(torch, "frombuffer", touching)
     reads.read(spans, keep=mapped, used=used)
     assert asked == pieces[:2]
@@ -252,7 +252,7 @@ def test_no_piece_of_a_module_is_asked_for_once_its_release_began(tmp_path, monk
             thread.join()
         arrived(self)
 
-    monkeypatch.setattr(readahead, "will_need", asking)
+    monkeypatch.setattr(in_order, "will_need", asking)
     monkeypatch.setattr(readahead, "release", releasing)
     monkeypatch.setattr(readahead.InOrder, "_arrived", arriving)
     reads.read(spans, keep=mapped, used=used)
@@ -296,7 +296,7 @@ def test_a_new_pass_does_not_wait_for_the_last_passes_reads(tmp_path, monkeypatc
         events.append(("touch", self._in_flight[0][0]))
         arrived(self)
 
-    monkeypatch.setattr(readahead, "will_need", asking)
+    monkeypatch.setattr(in_order, "will_need", asking)
     monkeypatch.setattr(readahead.InOrder, "_arrived", arriving)
     monkeypatch.setattr(readahead, "in_flight_for", lambda largest: 1 << 20)  # one module: waits at each ask
     with torch.no_grad():

@@ -16,7 +16,9 @@ Staging is one function, ``stage(values, device) -> values``:
   the background thread, ahead of use.  Nothing is copied.  A module whose pages are all in
   RAM already (asked with ``mincore``, on the forward thread) is not handed to the thread at
   all, and is asked about again only every ``RECHECK_EVERY`` turns; the forward never waits
-  for a read ahead still running: a warm page cache costs no thread hand-offs.
+  for a read ahead still running: a warm page cache costs no thread hand-offs.  While streaming,
+  a module the storage read-ahead reads directly into a slot (:mod:`bigmodel.offload.direct`) is
+  not touched here: :meth:`Prefetcher.take` hands its hook the slot's views.
 - accelerator execution: by default a plain ``.to(device)`` on the background thread.
   :class:`bigmodel.transfer.copies.DeviceStager` (pinned staging buffer, side-stream copies) is
   the ``stage`` dispatch passes to :func:`enable_prefetch` for accelerators.  ``stage`` may
@@ -160,6 +162,9 @@ class Prefetcher:
         future = self._pending.pop(id(hook), None)
         if future is not None:
             self._calm = False
+        direct = self.readahead.take_direct(hook) if self.in_place and _on_cpu(hook.device) else None
+        if direct is not None:  # read from storage into a slot (streaming, offload.direct)
+            return direct
         if not read and self.in_place and _on_cpu(hook.device):
             return None
         if future is not None and not (self.in_place and not future.done() and _on_cpu(hook.device)):
@@ -197,6 +202,8 @@ class Prefetcher:
             if target is None or id(target) in self._pending:
                 continue
             if self.in_place and _on_cpu(target.device):
+                if self.readahead.direct.serves(id(target)):
+                    continue  # read into a slot: touching its mapped views would read it twice
                 self._read_ahead_in_place(target)
                 in_place.append(id(target))
                 continue

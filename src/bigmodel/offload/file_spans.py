@@ -76,7 +76,7 @@ def advice_bytes(device: str) -> int:
 def file_mappings() -> list[tuple[int, int]]:
     """Sorted (start, end) addresses of this process's mappings of regular files (from ``/proc/self/maps``).
 
-    Also notes, for :func:`bigmodel.offload.readahead.will_need`, how many bytes one advice reads on each mapping's device.
+    Also notes, for :func:`bigmodel.offload.in_order.will_need`, how many bytes one advice reads on each mapping's device.
     """
     global _ADVICE_SPANS
     rows = file_mapping_rows()

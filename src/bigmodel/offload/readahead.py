@@ -18,7 +18,9 @@ of the available memory, these from the second: a module that computes slowly, o
 before the first offloaded one, no longer find the disk idle with one module read), counting only
 the bytes of released modules (the kept ones are in RAM), and the end of a pass
 reads on into the next one's first released modules (:meth:`ReadAhead._wrap`): decoding, the
-disk never waits for a forward's start.
+disk never waits for a forward's start.  Released modules are read with ``O_DIRECT`` into reused
+slots rather than through the page cache where they can be (:mod:`bigmodel.offload.direct`; their
+hooks take the slots' views, :meth:`ReadAhead.take_direct`): nothing of theirs is then released.
 
 Both calls are hints: they never change a value (a released page is read again from its file
 on the next access), and they are only made on spans of file-backed mappings (never on
@@ -33,7 +35,6 @@ microseconds per forward and one attribute check per module.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import functools
 import logging
@@ -58,24 +59,23 @@ from .file_spans import (  # noqa: F401 (re-exported)
     resident,
     supported,
 )
+from .direct import Streams
+from .in_order import IN_FLIGHT_BYTES, IN_FLIGHT_MAX, MADV_WILLNEED, InOrder, in_flight_for, will_need  # noqa: F401
 from .drop import drop
-from .file_spans import PAGE as _PAGE
 from .pages import available_memory
 from .spread import spread_kept
 
 logger = logging.getLogger(__name__)
 
 ENV = "BIGMODEL_READAHEAD"  # "0" turns reading ahead from storage off
-MADV_WILLNEED = 3
 MADV_COLD = 20
 MADV_PAGEOUT = 21
 WINDOW_BYTES = 512 << 20  # default bytes read ahead of the running module
 PROBES = 8  # modules whose first pages are checked at the start of each forward while not reading ahead
 RETAIN_FRACTION = 0.5  # of the available memory, for the prefix kept cached between forwards
 STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory: release after use
-IN_FLIGHT_BYTES = 64 << 20  # bytes asked for and not yet arrived, at most (InOrder)
-IN_FLIGHT_MAX = 128 << 20  # the same for modules of more than 6 x 128 MB (see in_flight_for)
 STREAM_AHEAD = 2  # streaming: largest modules' bytes read ahead of the running module (see ReadAhead._plan)
+DIRECT_ENV = "BIGMODEL_DIRECT_READS"  # "0": streaming reads go through the page cache (see offload.direct)
 
 def _executor() -> ThreadPoolExecutor:
     return worker("bigmodel-readahead")
@@ -87,109 +87,12 @@ def _releaser() -> ThreadPoolExecutor:
     return worker("bigmodel-release")
 
 
-def in_flight_for(largest: int) -> int:
-    """Bytes :class:`InOrder` keeps asked for and not yet arrived when the largest module read ahead has
-    ``largest`` bytes: a sixth of it, from ``IN_FLIGHT_BYTES`` (64 MB) to ``IN_FLIGHT_MAX`` (128 MB).
-
-    Measured here (BENCHMARKS.md, session 8): with 810 MB decoder layers, 128 MB in flight read the
-    first token's 24 GB from storage at a median 0.94x the time of 64 MB (the disk had reads in
-    flight 0.96-0.97 of the time against 0.92-0.95) and decoded as fast, where 256 MB slowed decode;
-    with ~100 MB layers 64 MB stays best (cold forwards 1.19x the cold read against 1.33x at 128 MB):
-    with modules not much larger than the window, a deeper queue brings them in out of order.
-    """
-    return min(IN_FLIGHT_MAX, max(IN_FLIGHT_BYTES, largest // 6))
-
-
-def will_need(spans: Iterable[Span]) -> None:
-    """Ask the kernel to read the spans into the page cache now (asynchronous reads; returns at once).
-
-    One advice per :func:`advice_bytes` of a span (the kernel reads no more per call: a whole
-    tensor in one call would have only its first megabytes read).
-    """
-    for span in spans:
-        for address, length in pieces(span):
-            _LIBC.madvise(ctypes.c_void_p(address), length, MADV_WILLNEED)
-
-
 def release(spans: Iterable[Span]) -> None:
     """Drop the spans' clean file pages from memory (:func:`~bigmodel.offload.drop.drop`: unmapped, then
     dropped from the page cache; a span it leaves, ``MADV_PAGEOUT``, or ``MADV_COLD`` where unsupported)."""
     for address, length in drop(spans):
         if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_PAGEOUT) != 0:
             _LIBC.madvise(ctypes.c_void_p(address), length, MADV_COLD)
-
-
-class InOrder:
-    """Asks for spans piece by piece (:func:`will_need`), in the order given, with at most ``window``
-    bytes asked for and not yet arrived: the oldest piece is waited for before the next is asked.
-
-    A deep queue of reads completes in no particular order (a disk serves its queued requests side
-    by side): with 600 MB asked for at once, the second module of a cold forward arrived with the
-    sixth.  Kept short, the queue still keeps the disk busy, and modules arrive in the order they
-    run.  Waiting reads one byte per page of the piece (torch, without the GIL): its pages are
-    then mapped too, so the forward takes no page fault on them.  Used from one thread at a time.
-
-    Args:
-        window: bytes in flight at most (at least one piece is always in flight).
-    """
-
-    def __init__(self, window: int = IN_FLIGHT_BYTES) -> None:
-        self.window = window
-        # Held while a piece's ``used`` is checked and the piece asked for or touched: a release passes
-        # through it after setting ``used`` (:meth:`settled`), so no piece of a released module is asked
-        # for or read back once its release has begun.
-        self.asking = threading.Lock()
-        self._in_flight: collections.deque[tuple[Span, object, threading.Event | None]] = collections.deque()
-        self._waiting = 0
-
-    def read(self, spans: Iterable[Span], keep: object = None, used: threading.Event | None = None) -> None:
-        """Ask for ``spans`` after everything asked for before.
-
-        Args:
-            spans: page-aligned spans of file-backed mappings.
-            keep: what holds those mappings (the tensors): kept until the pieces have arrived.
-            used: set once the module the spans belong to has run and is being released: its pieces
-                not asked for yet are not, and those asked for are not waited for (touching them
-                would read back what the release drops).
-        """
-        for span in spans:
-            for piece in pieces(span):
-                if used is not None and used.is_set():
-                    return
-                while self._in_flight and self._waiting + piece[1] > self.window:
-                    self._arrived()
-                with self.asking:
-                    if used is not None and used.is_set():
-                        return
-                    will_need([piece])
-                self._in_flight.append((piece, keep, used))
-                self._waiting += piece[1]
-
-    def wait(self) -> None:
-        """Return once every piece asked for has arrived."""
-        while self._in_flight:
-            self._arrived()
-
-    def forget(self) -> None:
-        """Stop tracking the pieces asked for so far, without waiting for them (a new pass reads anew:
-        touching the last pass's pieces would read back whatever the kernel dropped meanwhile, one
-        page fault at a time, before the new pass's first read is asked for)."""
-        self._in_flight.clear()
-        self._waiting = 0
-
-    def _arrived(self) -> None:
-        (address, length), _, used = self._in_flight.popleft()
-        self._waiting -= length
-        with self.asking:
-            if used is None or not used.is_set():
-                view = torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
-                view[::_PAGE].sum()
-
-    def settled(self) -> None:
-        """Return once no piece is being asked for or touched: called after setting a module's ``used``,
-        every later check of it sees it set."""
-        with self.asking:
-            pass
 
 
 class ReadAhead:
@@ -225,12 +128,23 @@ class ReadAhead:
         self._lock = threading.Lock()  # forwards of one model from several threads share this state
         self._reads = InOrder()  # used on the read-ahead thread only
         self._values: list[dict[str, torch.Tensor]] = []  # the views the spans lie in (keeps their mappings)
+        self.direct = Streams()  # streaming: released modules read with O_DIRECT into reused slots
+        self._direct = False  # this plan reads released modules directly
 
     def reset(self) -> None:
         """Forget the spans (call when a weights map's values change)."""
         with self._lock:
             self._spans, self.active, self.streaming, self._early, self._values = None, False, False, False, []
             self._next_used = {}  # positions of the old order
+            self.direct.reset()
+            self._direct = False
+
+    def take_direct(self, hook: Any) -> dict[str, torch.Tensor] | None:
+        """``hook``'s values read directly into a slot ahead of its forward (waits for them), or None: the
+        hook uses its mapped views.  Only without gradients (a slot is read into again once its module ran)."""
+        if not self._direct or torch.is_grad_enabled():
+            return None
+        return self.direct.take(id(hook))
 
     def probes_resident(self) -> bool:
         """True if the first pages of the ``PROBES`` modules spread over the order are in RAM (the first
@@ -272,6 +186,9 @@ class ReadAhead:
         if not self.active:
             return
         count, cost = len(order), self._cost
+        previous = index - 1
+        released = self.streaming and previous >= 0 and not self._kept[previous]
+        direct = released and self._direct and self.direct.release(_key(order, previous))  # its slot is free now
         jobs: list[tuple[Callable, list[Span], object]] = []
         ahead = sum(cost[index + 1:self._ahead]) + sum(cost[:self._next])  # and the next pass's read already
         position = max(self._ahead, index)
@@ -280,18 +197,19 @@ class ReadAhead:
                 if ahead + cost[position] > self._reach:
                     break
                 ahead += cost[position]
-            jobs.append((self._read(position), self._spans[position], self._values))  # type: ignore[index]
+            if not self._read_direct(order, position):
+                jobs.append((self._read(position), self._spans[position], self._values))  # type: ignore[index]
             position += 1
         self._ahead = max(self._ahead, position)
         if position == count and self.streaming:
-            jobs += self._wrap(index, ahead)
+            jobs += self._wrap(order, index, ahead)
         # A new pass does not wait for the last one's reads (streaming, they are this pass's first modules).
         forget = self._reads if began and not self.streaming else None
         if jobs or forget:
             _executor().submit(_run, [job for job in jobs if job[1]], forget)
-        previous = index - 1
-        if self.streaming and previous >= 0 and not self._kept[previous]:
+        if released:
             self._used.pop(previous, threading.Event()).set()  # its reads still queued are dropped
+        if released and not direct:  # a module read directly left no pages to release
             job = (functools.partial(_release, reads=self._reads), self._spans[previous], self._values)  # type: ignore[index]
             self._releasing[previous] = _releaser().submit(_run, [job])
 
@@ -300,7 +218,11 @@ class ReadAhead:
         used = (self._used if pass_ is None else pass_).setdefault(position, threading.Event())
         return functools.partial(self._reads.read, used=used)
 
-    def _wrap(self, index: int, ahead: int) -> list[tuple[Callable, list[Span], object]]:
+    def _read_direct(self, order: Sequence[Any], position: int) -> bool:
+        """Streaming, a released module is read directly into a slot where it can be (True)."""
+        return self._direct and not self._kept[position] and self.direct.read(position, _key(order, position))
+
+    def _wrap(self, order: Sequence[Any], index: int, ahead: int) -> list[tuple[Callable, list[Span], object]]:
         """Streaming, this pass read ahead to its end: read the next pass's first released modules
         within the window (the next forward's start, the modules kept in RAM, then its first released
         module, would otherwise find the disk idle).  Only modules that ran and were released before
@@ -311,7 +233,7 @@ class ReadAhead:
             if ahead + size > self._reach:
                 break
             ahead += size
-            if size:
+            if size and not self._read_direct(order, self._next):
                 read = _after(self._releasing.get(self._next), self._read(self._next, self._next_used))
                 jobs.append((read, self._spans[self._next], self._values))  # type: ignore[index]
             self._next += 1
@@ -355,13 +277,23 @@ class ReadAhead:
             # Reading ``stream_ahead`` modules ahead (in the other half of the available memory) keeps the
             # disk busy while a slow module computes, and during the resident modules before the first one.
             self._reach = max(self.window, self.stream_ahead * max(self._bytes, default=0))
+            self._direct = os.environ.get(DIRECT_ENV, "1").strip() != "0" and self.direct.plan(
+                [values if not kept else {} for values, kept in zip(self._values, self._kept)],
+                self.stream_ahead + 2, available)  # the running module, the ones read ahead, one released
         else:
             self._kept, self._cost = [True] * count, list(self._bytes)
-            self._reach = self.window
+            self._reach, self._direct = self.window, False
+            self.direct.close()  # its slots' memory, if it streamed before
         logger.debug("Reading offloaded weights ahead: %.2f GB in %d modules, %.0f MB ahead, %s",
                       total / 1e9, count, self._reach / 1e6,
                       f"releasing used modules but {sum(self._kept)} spread over the order" if self.streaming
                       else "no release")
+
+
+def _key(order: Sequence[Any], position: int) -> int:
+    """The key of the hook at ``position`` (its id; 0 once it is gone: nothing is read for it)."""
+    hook = order[position]()
+    return 0 if hook is None else id(hook)
 
 
 def _release(spans: list[Span], keep: object, reads: InOrder | None = None) -> None:

@@ -4,7 +4,7 @@ A model dispatched on the CPU holds its CPU part (``"cpu"`` in the device map) a
 memory-mapped views of the checkpoint's files.  Untouched, the first forward faults those pages in
 one read at a time, with the disk idle while it computes.  :func:`read_resident` instead reads
 them on a background thread, module after module in the order given, through
-``madvise(MADV_WILLNEED)`` (:func:`bigmodel.offload.readahead.will_need`) with a bounded number of
+``madvise(MADV_WILLNEED)`` (:func:`bigmodel.offload.in_order.will_need`) with a bounded number of
 bytes in flight (``WINDOW_BYTES``: a page the forward needs now waits behind at most that much
 queued I/O).  These pages are never released: they are what the CPU budget holds.  Nothing is read
 into anonymous memory and no value changes; only file-backed mappings are advised.
@@ -73,7 +73,7 @@ def read_resident(groups: Iterable[Iterable[torch.Tensor]], available: int | Non
 
 
 def _read_in_order(spans: list[Span], window: int, keep: list[torch.Tensor]) -> None:
-    """Ask for the spans in order with ``window`` bytes in flight at most (:class:`readahead.InOrder`), and
+    """Ask for the spans in order with ``window`` bytes in flight at most (:class:`bigmodel.offload.in_order.InOrder`), and
     return once every page has arrived (and is mapped: the forward takes no page fault on it)."""
     reads = readahead.InOrder(window)
     reads.read(spans, keep)

@@ -1,0 +1,359 @@
+"""Stream released modules' weights from their files with direct reads into a few reused buffers.
+
+While streaming (:class:`~bigmodel.offload.readahead.ReadAhead`: the offloaded bytes exceed what the page
+cache can hold), each released module's file-backed values are read again at every forward.  Read
+through the page cache (``MADV_WILLNEED``, page faults), every byte costs the kernel a fresh page: on
+the 2-core development VM 1.3-1.5 s of system CPU time per GB, so reading 24 GB took 27-37 s with
+both CPUs busy, where ``O_DIRECT`` reads of the same byte ranges into buffers allocated once took
+13-23 s with 1-2 s of CPU time (BENCHMARKS.md, session 12).  Here a module's byte ranges are read
+with ``O_DIRECT`` ``preadv`` calls (``CHUNK_BYTES`` each, ``READERS`` at once) into a :class:`Slot`
+(anonymous memory, page-aligned, reused from module to module and from forward to forward), and the
+module's hook gets views of the slot in place of the mapped views.
+
+The values are the same bytes at the same offsets modulo the page size (a tensor at file offset ``f``
+lies at slot offset ``f mod 4096`` past a page boundary, as in the file's mapping), so kernels that
+depend on alignment compute the same results.  A slot is read into again only when no tensor other
+than the pool's own views it (the storage's use count, asked before reuse), so a module still
+running, an output aliasing a weight, or a tensor saved for backward keeps its slot.  Nothing is
+read this way where a value is not a plain contiguous tensor of a regular file's mapping, where the
+file system refuses ``O_DIRECT`` (tmpfs), or where a page of the mapping was written in place
+(``/proc/self/pagemap``, :func:`~bigmodel.offload.drop.written`): the mapped views are used then.
+Linux only.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .drop import Mappings, written
+from .file_spans import PAGE
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 128 << 20  # bytes per preadv call (the block layer splits it into max_sectors_kb requests)
+READERS = 2  # preadv calls in flight: 2 x 128 MB read 1.8 GB/s here where 1 x 128 MB read 1.2 (session 12)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class Run(NamedTuple):
+    """One read: ``length`` bytes (page multiples) of file ``path`` from ``offset`` into the slot at ``at``."""
+
+    path: str
+    inode: int
+    offset: int
+    length: int
+    at: int
+
+
+class Layout(NamedTuple):
+    """Where a module's values come from in their files and go to in a slot."""
+
+    runs: tuple[Run, ...]
+    views: tuple[tuple[str, int, torch.dtype, torch.Size], ...]  # (key, slot offset, dtype, shape)
+    others: dict[str, torch.Tensor]  # values not read (not file-backed): passed on as they are
+    sources: tuple[tuple[torch.Tensor, int], ...]  # the mapped values and their version counters
+    spans: tuple[tuple[int, int], ...]  # page-aligned (address, length) of the mapped values
+    nbytes: int  # slot bytes needed
+
+
+def layout_possible() -> bool:
+    """True where files can be read with ``O_DIRECT`` and slots' use counted (Linux, this torch)."""
+    return bool(_O_DIRECT) and _USE_COUNT is not None
+
+
+def layout(values: Mapping[str, torch.Tensor], mappings: Mappings) -> Layout | None:
+    """How to read ``values`` (a hook's, as its weights map gives them) into a slot; None when it cannot.
+
+    ``mappings`` must be read after the values' mappings were made (a fresh :class:`Mappings`: a row
+    kept from before could describe another file mapped at the same address then).
+
+    Values of one file lying less than ``CHUNK_BYTES`` apart are read in one run (a decoder layer's
+    tensors lie one after the other in a safetensors file: one run)."""
+    found = _placed(values, mappings) if layout_possible() else None
+    if not found or not found[0]:
+        return None
+    placed, others = found
+    runs: list[Run] = []
+    views = []
+    for path, inode, offset, size, key, value in sorted(placed, key=lambda p: (p[0], p[2])):
+        last = runs[-1] if runs else None
+        if last is None or (last.path, last.inode) != (path, inode) or offset >= last.offset + last.length + CHUNK_BYTES:
+            last = Run(path, inode, offset - offset % PAGE, 0, last.at + last.length if last else 0)
+            runs.append(last)
+        end = -(-(offset + size) // PAGE) * PAGE
+        if end > last.offset + last.length:
+            runs[-1] = last = last._replace(length=end - last.offset)
+        views.append((key, last.at + offset - last.offset, value.dtype, value.shape))
+    spans = tuple(_page_span(p[5].data_ptr(), p[3]) for p in placed)
+    sources = tuple((p[5], p[5]._version) for p in placed)
+    return Layout(tuple(runs), tuple(views), others, sources, spans, runs[-1].at + runs[-1].length)
+
+
+def _placed(values: Mapping[str, torch.Tensor], mappings: Mappings) -> tuple[list[tuple], dict] | None:
+    """``([(path, inode, file offset, bytes, key, value)] of the file-backed values, {key: other value})``,
+    or None when a file-backed value cannot be viewed from a slot (not contiguous, misaligned)."""
+    placed, others = [], {}
+    for key, value in values.items():
+        if type(value) not in (torch.Tensor, nn.Parameter) or value.device.type != "cpu" or value.numel() == 0:
+            others[key] = value
+            continue
+        address, size = value.data_ptr(), value.numel() * value.element_size()
+        row = mappings.find(address)
+        if row is None or address + size > row.end:
+            others[key] = value
+        elif not value.is_contiguous() or address % value.element_size():
+            return None
+        else:
+            placed.append((row.path, row.inode, row.offset + address - row.start, size, key, value))
+    return placed, others
+
+
+def _page_span(address: int, size: int) -> tuple[int, int]:
+    low = address - address % PAGE
+    return low, -(-(address + size) // PAGE) * PAGE - low
+
+
+class Slot:
+    """A page-aligned anonymous buffer of ``nbytes`` that module values are read into and viewed from."""
+
+    def __init__(self, nbytes: int) -> None:
+        # Private anonymous memory (mmap's default for -1 is shared, i.e. shmem): counted as the process's own.
+        self.buffer = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.memory = memoryview(self.buffer)
+        self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8)
+        self._storage = self.tensor.untyped_storage()
+        self._idle = _USE_COUNT(self._storage._cdata)  # type: ignore[misc]
+
+    def free(self) -> bool:
+        """True if no tensor but the slot's own views its memory (it may be read into)."""
+        return _USE_COUNT(self._storage._cdata) == self._idle  # type: ignore[misc]
+
+    def views(self, plan: Layout) -> dict[str, torch.Tensor]:
+        """The values of ``plan`` as views of this slot (after its reads completed)."""
+        out = dict(plan.others)
+        for key, at, dtype, shape in plan.views:
+            size = shape.numel() * dtype.itemsize
+            out[key] = self.tensor[at:at + size].view(dtype).view(shape)
+        return out
+
+
+class Files:
+    """``O_DIRECT`` descriptors of the files read, checked against the mapped file's inode."""
+
+    def __init__(self) -> None:
+        self._fds: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+        weakref.finalize(self, _close_all, self._fds)
+
+    def fd(self, path: str, inode: int) -> int:
+        """The descriptor (opened at the first call).  Raises OSError where the file is not that inode
+        any more, or its file system refuses ``O_DIRECT``."""
+        with self._lock:
+            fd = self._fds.get((path, inode))
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                if os.fstat(fd).st_ino != inode:
+                    os.close(fd)
+                    raise OSError(f"{path} was replaced since it was mapped")
+                self._fds[(path, inode)] = fd
+            return fd
+
+    def close(self) -> None:
+        with self._lock:
+            _close_all(self._fds)
+
+
+def _close_all(fds: dict[tuple[str, int], int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
+class Reading:
+    """A module's reads in flight; :meth:`wait` gives its values (None where a read failed)."""
+
+    def __init__(self, slot: Slot, plan: Layout, chunks: list[Future]) -> None:
+        self.slot, self.plan, self.chunks = slot, plan, chunks
+
+    def wait(self) -> dict[str, torch.Tensor] | None:
+        try:
+            for chunk in self.chunks:
+                chunk.result()
+        except (OSError, ValueError) as error:
+            logger.debug("Direct read failed, the mapped values are used: %s", error)
+            return None
+        if any(value._version != version for value, version in self.plan.sources):
+            return None  # changed in place since it was laid out: the mapped values are the current ones
+        return self.slot.views(self.plan)
+
+
+class Reader:
+    """Reads layouts into slots on ``READERS`` threads, in the order asked."""
+
+    def __init__(self) -> None:
+        self.files = Files()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def read(self, plan: Layout, slot: Slot) -> Reading:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="bigmodel-direct")
+        first = self._pool.submit(_check_unwritten, plan)
+        chunks = [first]
+        for run in plan.runs:
+            for start in range(0, run.length, CHUNK_BYTES):
+                length = min(CHUNK_BYTES, run.length - start)
+                chunks.append(self._pool.submit(self._chunk, run, start, length, slot, first))
+        return Reading(slot, plan, chunks)
+
+    def _chunk(self, run: Run, start: int, length: int, slot: Slot, checked: Future) -> None:
+        checked.result()
+        fd = self.files.fd(run.path, run.inode)
+        done, at = 0, run.at + start
+        while done < length:
+            got = os.preadv(fd, [slot.memory[at + done:at + length]], run.offset + start + done)
+            if got <= 0:
+                break  # the end of the file (the run's last page is rounded up)
+            done += got
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.files.close()
+
+
+def _check_unwritten(plan: Layout) -> None:
+    for address, length in plan.spans:
+        if written(address, length):
+            raise ValueError("a page of the mapping was written in place")
+
+
+class Streams:
+    """The direct reads of one :class:`~bigmodel.offload.readahead.ReadAhead`: a layout per order position,
+    ``count`` slots of the largest layout's bytes, and the reading or taken slot of each module (by key,
+    ``id`` of its hook).  Every method may be called from any forward thread.
+
+    Args:
+        fraction: slots are only made when ``count`` of them take at most this fraction of the
+            available memory (anonymous memory: the kernel cannot reclaim it as it does page cache).
+    """
+
+    def __init__(self, fraction: float = 0.25) -> None:
+        self.fraction = fraction
+        self.reader = Reader()
+        self.layouts: list[Layout | None] = []
+        self._size = 0
+        self._count = 0
+        self._slots: list[Slot] = []
+        self._idle: list[tuple[Slot, list[Future]]] = []  # with the reads that may still write into it
+        self._reading: dict[int, Reading] = {}
+        self._held: dict[int, Slot] = {}
+        self._lock = threading.Lock()
+
+    def plan(self, values: list[dict[str, torch.Tensor]], count: int, available: int) -> bool:
+        """Lay out each position's ``values``; True if ``count`` slots fit (else nothing is read directly).
+
+        Slots of the last plan are kept where they are large enough (the first forward's order is a
+        guess, replaced at the second: new slots would cost their memory's first touch again)."""
+        self.reset()
+        mappings = Mappings()  # read now: the values are mapped already
+        layouts = [layout(v, mappings) if v else None for v in values]
+        size = max((plan.nbytes for plan in layouts if plan is not None), default=0)
+        fits = bool(size) and count * size <= self.fraction * available
+        with self._lock:
+            if not fits or size > self._size:
+                self._slots, self._idle, self._size = [], [], 0
+            if fits:
+                self.layouts, self._size, self._count = layouts, max(size, self._size), count
+        return fits
+
+    def read(self, position: int, key: int) -> bool:
+        """Start reading position ``position``'s module (hook ``key``) into a slot; False when it has no
+        layout or no slot is free (its mapped views are used)."""
+        plan = self.layouts[position] if position < len(self.layouts) else None
+        if plan is None or not key:
+            return False
+        with self._lock:
+            if key in self._reading:
+                return True  # read ahead already (the end of the last pass read on into this one)
+            self._give_back(key)
+            slot = self._acquire()
+            if slot is None:
+                return False
+            self._reading[key] = self.reader.read(plan, slot)
+        return True
+
+    def serves(self, key: int) -> bool:
+        """True if module ``key``'s values are being read into a slot (nothing else need read them)."""
+        return key in self._reading
+
+    def take(self, key: int) -> dict[str, torch.Tensor] | None:
+        """Module ``key``'s values, once read (waits), or None (not read here, or the read failed)."""
+        with self._lock:
+            reading = self._reading.pop(key, None)
+        if reading is None:
+            return None
+        values = reading.wait()
+        with self._lock:
+            if values is None:
+                self._idle.append((reading.slot, []))
+            else:
+                self._held[key] = reading.slot
+        return values
+
+    def release(self, key: int) -> bool:
+        """Module ``key`` has run: its slot may be read into again (once no tensor views it).  True if it
+        had one (its mapped views' pages were then never read)."""
+        with self._lock:
+            return self._give_back(key)
+
+    def reset(self) -> None:
+        """Forget the layouts and what each module was read into (the slots stay for the next plan)."""
+        with self._lock:
+            self.layouts = []
+            for key in list(self._reading) + list(self._held):
+                self._give_back(key)
+
+    def close(self) -> None:
+        """Forget everything: the slots' memory is freed once no tensor views it."""
+        self.reset()
+        with self._lock:
+            self._slots, self._idle, self._size, self._count = [], [], 0, 0
+        self.reader.close()
+
+    def _give_back(self, key: int) -> bool:
+        reading = self._reading.pop(key, None)
+        slot = self._held.pop(key, None)
+        if reading is not None:
+            self._idle.append((reading.slot, reading.chunks))
+        if slot is not None:
+            self._idle.append((slot, []))
+        return reading is not None or slot is not None
+
+    def _acquire(self) -> Slot | None:
+        for i, (slot, chunks) in enumerate(self._idle):
+            if all(chunk.done() for chunk in chunks) and slot.free():
+                del self._idle[i]
+                return slot
+        if len(self._slots) < self._count:
+            slot = Slot(self._size)
+            self._slots.append(slot)
+            return slot
+        for i, (slot, chunks) in enumerate(self._idle):  # a read given up (a reset) may still be writing into it
+            if slot.free():
+                del self._idle[i]
+                for chunk in chunks:
+                    chunk.exception()  # waits; its outcome no longer matters
+                return slot
+        return None

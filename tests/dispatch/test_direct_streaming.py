@@ -1,0 +1,116 @@
+"""Streaming with direct reads: released modules read with ``O_DIRECT`` into reused slots (offload.direct).
+
+The model of the streaming tests (10 disk blocks of 15.8 MB, a page cache too small for them) is run
+with direct reads allowed: the logits equal the in-memory model's at every forward, the released blocks
+come from slots (their mapped pages are never read into the page cache), at most ``stream_ahead + 2``
+slots exist, and a slot still viewed by a tensor is never read into.  Counted, never timed.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from _fake_accelerator import drain_workers
+from _page_cache import drop, write_wide_llama
+
+from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
+from bigmodel.hooks.align_hook import loading_hook_of
+from bigmodel.offload import direct, readahead
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not readahead.supported() or not direct.layout_possible(),
+                                reason="needs madvise/mincore, /proc/self/maps and O_DIRECT")
+
+BLOCKS = [f"model.layers.{i}" for i in range(10)]
+MAP = {"model.embed_tokens": "cpu", **dict.fromkeys(BLOCKS, "disk"), "model.norm": "cpu", "model.rotary_emb": "cpu",
+       "lm_head": "cpu"}  # fmt: skip
+IDS = torch.tensor([[5, 6, 7, 8, 9]])
+AVAILABLE = 180_000_000  # as in test_streaming_readahead: kept blocks 1, 4, 7 and 9
+KEPT = ["model.layers.1", "model.layers.4", "model.layers.7", "model.layers.9"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_wide_llama(tmp_path_factory.mktemp("llama"), len(BLOCKS))
+
+
+def _reference(folder: Path) -> torch.Tensor:
+    with torch.no_grad():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()(IDS).logits
+
+
+class Takes:
+    """Counts, per hook id, the values taken from slots."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.served: list[int] = []
+        take = direct.Streams.take
+
+        def taking(streams, key):
+            values = take(streams, key)
+            if values is not None:
+                self.served.append(key)
+            return values
+
+        monkeypatch.setattr(direct.Streams, "take", taking)
+
+
+def _streamed(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv(readahead.ENV, raising=False)
+    monkeypatch.delenv(readahead.DIRECT_ENV, raising=False)
+    gc.collect()
+    expected = _reference(folder)
+    gc.collect()
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(folder)))
+    model.eval()
+    model = load_checkpoint_and_dispatch(model, str(folder), device_map=MAP, offload_folder=str(tmp_path / "off"))
+    hooks = {name: loading_hook_of(model.get_submodule(name)) for name in BLOCKS}
+    mappings = readahead.file_mappings()
+    spans_of = {name: readahead.file_spans(hook.prefetcher.read(hook).values(), mappings) for name, hook in hooks.items()}
+    drain_workers()
+    drop(folder / "model.safetensors")
+    reads = hooks[BLOCKS[0]].prefetcher.readahead
+    reads.window, reads.available = 1, AVAILABLE
+    reads.direct.fraction = 1.0  # four 15.8 MB slots in 180 MB
+    return model, expected, hooks, spans_of, reads, Takes(monkeypatch)
+
+
+def test_released_blocks_come_from_slots_bit_identical_and_never_enter_the_page_cache(folder, tmp_path, monkeypatch):
+    model, expected, hooks, spans_of, reads, takes = _streamed(folder, tmp_path, monkeypatch)
+    released = [name for name in BLOCKS if name not in KEPT]
+    with torch.no_grad():
+        for forward in range(3):
+            takes.served.clear()
+            assert torch.equal(model(IDS).logits, expected), forward
+            drain_workers()
+            assert reads.streaming and reads._direct
+            assert [name for name, k in zip(BLOCKS, reads._kept) if k] == KEPT
+            assert takes.served == [id(hooks[name]) for name in released], forward
+            assert len(reads.direct._slots) <= reads.stream_ahead + 2
+            for name in released[1:]:  # the first one's pages: only its own forward's mapping was never touched
+                assert not any(readahead.resident([(address, 4096)]) for address, _ in spans_of[name]), name
+    # Kept blocks are read through the page cache and stay there.
+    assert all(readahead.resident(spans_of[name]) for name in KEPT)
+
+
+def test_with_gradients_the_mapped_views_are_used(folder, tmp_path, monkeypatch):
+    """A slot read into again after its module ran would change a tensor saved for backward: with gradients
+    recorded, nothing is taken from slots (the logits still equal)."""
+    model, expected, _, _, reads, takes = _streamed(folder, tmp_path, monkeypatch)
+    assert torch.equal(model(IDS).logits.detach(), expected)
+    drain_workers()
+    assert reads.streaming and takes.served == []
+
+
+def test_direct_reads_off_by_environment(folder, tmp_path, monkeypatch):
+    model, expected, _, _, reads, takes = _streamed(folder, tmp_path, monkeypatch)
+    monkeypatch.setenv(readahead.DIRECT_ENV, "0")
+    reads.reset()
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected)
+    drain_workers()
+    assert reads.streaming and not reads._direct and takes.served == []

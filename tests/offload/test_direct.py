@@ -1,0 +1,136 @@
+"""Direct reads into slots (offload.direct): same bytes and alignment as the mapped views, slots never
+rewritten while a tensor views them, and the mapped views used wherever a direct read cannot be trusted."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from bigmodel.offload import direct
+from bigmodel.offload.drop import Mappings
+from bigmodel.offload.storage import OffloadedWeightsLoader
+
+pytestmark = pytest.mark.skipif(not direct.layout_possible() or not os.path.exists("/proc/self/map_files"),
+                                reason="needs O_DIRECT, /proc/self/maps and torch's storage use count")
+
+
+def _mapped(folder: Path, tensors: dict[str, torch.Tensor], name: str = "w.safetensors") -> dict[str, torch.Tensor]:
+    """``tensors`` saved as one safetensors file and read back in place (private file mappings)."""
+    path = str(folder / name)
+    save_file(tensors, path)
+    index = {k: {"safetensors_file": path, "weight_name": k, "dtype": str(v.dtype).split(".")[1], "shape": list(v.shape)}
+             for k, v in tensors.items()}
+    loader = OffloadedWeightsLoader(index=index)
+    return {k: loader[k] for k in tensors}
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(300, 257, generator=g), "a.bias": torch.randn(257, generator=g),
+            "b.weight": torch.randn(64, 1000, generator=g).to(torch.bfloat16), "c.scale": torch.randn(3, generator=g)}
+
+
+def _read(streams: direct.Streams, values: dict[str, torch.Tensor], key: int = 1) -> dict[str, torch.Tensor] | None:
+    assert streams.plan([values], count=2, available=1 << 40)
+    assert streams.read(0, key)
+    return streams.take(key)
+
+
+def test_a_layout_reads_one_run_per_file_and_keeps_each_tensors_offset_within_its_page(tmp_path):
+    values = _mapped(tmp_path, _tensors())
+    plan = direct.layout(values, Mappings())
+    assert plan is not None and len(plan.runs) == 1 and plan.others == {}
+    run = plan.runs[0]
+    assert run.offset % 4096 == 0 and run.length % 4096 == 0 and run.at == 0
+    for key, at, dtype, shape in plan.views:
+        assert at % 4096 == values[key].data_ptr() % 4096  # kernels see the alignment the mapping has
+        assert (dtype, shape) == (values[key].dtype, values[key].shape)
+
+
+def test_slot_views_equal_the_mapped_values_bit_for_bit(tmp_path):
+    values = _mapped(tmp_path, _tensors())
+    streams = direct.Streams()
+    read = _read(streams, values)
+    assert read is not None and set(read) == set(values)
+    for key, value in values.items():
+        assert torch.equal(read[key], value) and read[key].dtype == value.dtype
+        assert read[key].data_ptr() != value.data_ptr()  # from the slot, not the mapping
+
+
+def test_values_in_memory_pass_through_and_two_files_are_two_runs(tmp_path):
+    values = {**_mapped(tmp_path, {"x": torch.arange(5000.0)}, "x.safetensors"),
+              **_mapped(tmp_path, {"y": -torch.arange(7000.0)}, "y.safetensors"), "z": torch.ones(3)}
+    plan = direct.layout(values, Mappings())
+    assert plan is not None and len(plan.runs) == 2 and set(plan.others) == {"z"}
+    read = _read(direct.Streams(), values)
+    assert read is not None and read["z"] is values["z"]
+    assert torch.equal(read["x"], values["x"]) and torch.equal(read["y"], values["y"])
+
+
+def test_nothing_file_backed_has_no_layout():
+    assert direct.layout({"w": torch.ones(10)}, Mappings()) is None
+
+
+def test_a_slot_a_tensor_still_views_is_not_read_into(tmp_path):
+    first = _mapped(tmp_path, _tensors(0), "first.safetensors")
+    second = _mapped(tmp_path, _tensors(1), "second.safetensors")
+    streams = direct.Streams()
+    assert streams.plan([first, second], count=1, available=1 << 40)  # one slot only
+    assert streams.read(0, 10)
+    kept = streams.take(10)["a.weight"]  # e.g. an output aliasing a weight, or a tensor saved for backward
+    assert streams.release(10)
+    assert not streams.read(1, 11)  # the only slot is still viewed: the mapped views are used instead
+    expected = kept.clone()
+    del kept
+    assert streams.read(1, 11)  # nothing views it any more
+    read = streams.take(11)
+    assert torch.equal(read["a.weight"], second["a.weight"]) and not torch.equal(read["a.weight"], expected)
+
+
+def test_a_module_read_ahead_already_is_not_read_again(tmp_path):
+    values = _mapped(tmp_path, _tensors())
+    streams = direct.Streams()
+    assert streams.plan([values], count=1, available=1 << 40)
+    assert streams.read(0, 7) and streams.read(0, 7)  # the second: the reading in flight serves it
+    assert streams.take(7) is not None and streams.take(7) is None  # taken once
+
+
+def test_a_page_written_in_place_makes_the_module_use_its_mapped_views(tmp_path):
+    values = _mapped(tmp_path, _tensors())
+    bias = values["a.bias"]
+    ctypes.memmove(bias.data_ptr() + 12, ctypes.byref(ctypes.c_float(123.0)), 4)  # no version bump: only the page tells
+    assert float(bias[3]) == 123.0  # a private copy of that page: the file no longer holds the value
+    assert _read(direct.Streams(), values) is None
+
+
+def test_a_value_changed_in_place_after_the_layout_is_not_taken_from_the_slot(tmp_path):
+    values = _mapped(tmp_path, _tensors())
+    streams = direct.Streams()
+    assert streams.plan([values], count=2, available=1 << 40)
+    values["c.scale"].zero_()  # bumps the version counter (and writes a private page)
+    assert streams.read(0, 1) and streams.take(1) is None
+
+
+def test_slots_that_do_not_fit_the_memory_fraction_are_not_made(tmp_path):
+    values = _mapped(tmp_path, _tensors())
+    size = direct.layout(values, Mappings()).nbytes
+    streams = direct.Streams(fraction=0.25)
+    assert not streams.plan([values], count=4, available=4 * 4 * size - 1)
+    assert not streams.read(0, 1)
+    assert streams.plan([values], count=4, available=4 * 4 * size)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_file_under_dev_is_not_read_directly():
+    """/dev/shm is tmpfs (no O_DIRECT before Linux 6.6); the read-ahead leaves mappings under /dev/ alone."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        values = _mapped(Path(folder), _tensors())
+        assert direct.layout(values, Mappings()) is None
+        assert not direct.Streams().plan([values], count=2, available=1 << 40)
