@@ -15,7 +15,7 @@ What it does, in one run:
    decoder layers on ``cpu`` while ``--budget-gb`` (default MemTotal/3) allows; the rest ``disk``.
 3. Measures the cold sequential read rate of the disk layers' byte ranges (8 MiB reads, the
    ranges dropped from the page cache first; one shard's ranges are read just before, as storage
-   that was idle reads its first GB slower), and of the same ranges with ``O_DIRECT`` (two 128 MiB
+   that was idle reads its first GB slower), and of the same ranges with ``O_DIRECT`` (four 128 MiB
    reads in flight, into buffers touched beforehand: no page cache, whose CPU time per byte bounds
    buffered reads on a small VM), again after the runs: the fastest of the four reads (the
    storage's speed drifts) is the physical floor of streaming them.

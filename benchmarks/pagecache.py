@@ -113,7 +113,7 @@ def read_cold(ranges: Ranges) -> tuple[float, int]:
     return seconds, total
 
 
-def read_direct(ranges: Ranges, chunk: int = 128 << 20, threads: int = 2) -> tuple[float, int]:
+def read_direct(ranges: Ranges, chunk: int = 128 << 20, threads: int = 4) -> tuple[float, int]:
     """Read the ranges (widened to whole pages) with ``O_DIRECT``, ``threads`` ``chunk``-byte ``preadv`` calls
     in flight, into buffers allocated (and touched) before the clock starts: the storage's own rate, without
     the page cache's CPU time per byte. Returns (seconds, bytes of the ranges)."""

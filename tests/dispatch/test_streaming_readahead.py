@@ -106,6 +106,7 @@ def _streamed(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahe
     with the disk blocks cold and a page cache too small for them, reading ``ahead`` blocks ahead (None:
     the default)."""
     monkeypatch.delenv(readahead.ENV, raising=False)
+    monkeypatch.setenv(readahead.DIRECT_ENV, "0")  # the page-cache path (direct reads: test_direct_streaming)
     gc.collect()
     config = transformers.AutoConfig.from_pretrained(str(folder))
     expected = _reference(folder)

@@ -18,9 +18,10 @@ of the available memory, these from the second: a module that computes slowly, o
 before the first offloaded one, no longer find the disk idle with one module read), counting only
 the bytes of released modules (the kept ones are in RAM), and the end of a pass
 reads on into the next one's first released modules (:meth:`ReadAhead._wrap`): decoding, the
-disk never waits for a forward's start.  Released modules are read with ``O_DIRECT`` into reused
-slots rather than through the page cache where they can be (:mod:`bigmodel.offload.direct`; their
-hooks take the slots' views, :meth:`ReadAhead.take_direct`): nothing of theirs is then released.
+disk never waits for a forward's start.  While streaming, modules are read with ``O_DIRECT`` into
+reused slots rather than through the page cache where they can be (:mod:`bigmodel.offload.direct`;
+their hooks take the slots' views, :meth:`ReadAhead.take_direct`): every released module, and the
+kept ones not in RAM yet beyond a per-forward budget (:meth:`ReadAhead._route`).
 
 Both calls are hints: they never change a value (a released page is read again from its file
 on the next access), and they are only made on spans of file-backed mappings (never on
@@ -76,6 +77,7 @@ RETAIN_FRACTION = 0.5  # of the available memory, for the prefix kept cached bet
 STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory: release after use
 STREAM_AHEAD = 2  # streaming: largest modules' bytes read ahead of the running module (see ReadAhead._plan)
 DIRECT_ENV = "BIGMODEL_DIRECT_READS"  # "0": streaming reads go through the page cache (see offload.direct)
+POPULATE_FRACTION = 1 / 3  # of the kept modules' bytes: read into the page cache per pass, at most (ReadAhead._route)
 
 def _executor() -> ThreadPoolExecutor:
     return worker("bigmodel-readahead")
@@ -130,6 +132,8 @@ class ReadAhead:
         self._values: list[dict[str, torch.Tensor]] = []  # the views the spans lie in (keeps their mappings)
         self.direct = Streams()  # streaming: released modules read with O_DIRECT into reused slots
         self._direct = False  # this plan reads released modules directly
+        self._cached: list[bool] = []  # per order position, this pass: read through the page cache (see _route)
+        self._passes = 0  # passes begun with direct reads (never reset: the first one fills no page cache)
 
     def reset(self) -> None:
         """Forget the spans (call when a weights map's values change)."""
@@ -181,6 +185,8 @@ class ReadAhead:
         """
         began = (new_pass or index == 0) and not self._early  # a pass start() began goes on (reset() ends it)
         if began:
+            if self._direct and order:  # the last pass's last module ran: no module after it gave its slot back
+                self.direct.release(_key(order, len(order) - 1))
             self._new_pass(order)
         self._early = False
         if not self.active:
@@ -188,7 +194,7 @@ class ReadAhead:
         count, cost = len(order), self._cost
         previous = index - 1
         released = self.streaming and previous >= 0 and not self._kept[previous]
-        direct = released and self._direct and self.direct.release(_key(order, previous))  # its slot is free now
+        direct = previous >= 0 and self._direct and self.direct.release(_key(order, previous))  # its slot is free now
         jobs: list[tuple[Callable, list[Span], object]] = []
         ahead = sum(cost[index + 1:self._ahead]) + sum(cost[:self._next])  # and the next pass's read already
         position = max(self._ahead, index)
@@ -220,7 +226,7 @@ class ReadAhead:
 
     def _read_direct(self, order: Sequence[Any], position: int) -> bool:
         """Streaming, a released module is read directly into a slot where it can be (True)."""
-        return self._direct and not self._kept[position] and self.direct.read(position, _key(order, position))
+        return self._direct and not self._cached[position] and self.direct.read(position, _key(order, position))
 
     def _wrap(self, order: Sequence[Any], index: int, ahead: int) -> list[tuple[Callable, list[Span], object]]:
         """Streaming, this pass read ahead to its end: read the next pass's first released modules
@@ -252,6 +258,27 @@ class ReadAhead:
             self.active = not resident(self._probes, last=False)
         if self.active and (learned or not was):
             self._plan()
+        if self.active and self._direct:
+            self._route()
+
+    def _route(self) -> None:
+        """Streaming with direct reads: which modules this pass reads through the page cache.
+
+        Released modules never are.  A kept module is when its pages are in RAM already, else while
+        this pass's budget lasts: none at the first pass (it fills no page cache: on the 2-core VM each
+        GB read into fresh page cache took ~1.3 s of CPU time, which the first token waited for), then
+        ``POPULATE_FRACTION`` of the kept bytes per pass (decoding, that CPU time overlaps the reads of
+        the released modules).  The others are read directly into slots like released ones."""
+        budget = 0 if self._passes == 0 else POPULATE_FRACTION * sum(b for b, k in zip(self._bytes, self._kept) if k)
+        self._passes += 1
+        cached = []
+        for spans, kept, size in zip(self._spans or [], self._kept, self._bytes):
+            through = kept and resident(spans)
+            if kept and not through and size <= budget:
+                through, budget = True, budget - size
+            cached.append(through)
+        self._cached = cached
+        self._cost = [0 if through else size for through, size in zip(cached, self._bytes)]
 
     def _learn(self, order: Sequence[Any]) -> None:
         values = [self.read(hook) if (hook := ref()) is not None else {} for ref in order]
@@ -278,8 +305,7 @@ class ReadAhead:
             # disk busy while a slow module computes, and during the resident modules before the first one.
             self._reach = max(self.window, self.stream_ahead * max(self._bytes, default=0))
             self._direct = os.environ.get(DIRECT_ENV, "1").strip() != "0" and self.direct.plan(
-                [values if not kept else {} for values, kept in zip(self._values, self._kept)],
-                self.stream_ahead + 2, available)  # the running module, the ones read ahead, one released
+                self._values, self.stream_ahead + 1, available)  # the running module and the ones read ahead
         else:
             self._kept, self._cost = [True] * count, list(self._bytes)
             self._reach, self._direct = self.window, False
