@@ -119,3 +119,14 @@ def test_direct_reads_off_by_environment(folder, tmp_path, monkeypatch):
         assert torch.equal(model(IDS).logits, expected)
     drain_workers()
     assert reads.streaming and not reads._direct and takes.served == []
+
+
+def test_hooks_that_do_not_take_slot_views_are_read_through_the_page_cache(folder, tmp_path, monkeypatch):
+    """An accelerator-executed hook stages its mapped views itself (pinned copies): nothing is read into slots
+    for it (no one would take them), its bytes are asked for in the page cache as before."""
+    model, expected, _, spans_of, reads, takes = _streamed(folder, tmp_path, monkeypatch)
+    reads.takes_views = lambda hook: False
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected)
+    drain_workers()
+    assert reads.streaming and not reads._direct and takes.served == [] and reads.direct._slots == []

@@ -120,7 +120,9 @@ class Prefetcher:
         self._probes: dict[int, list] = {}  # id(hook) → spans of its values (found in RAM), asked without reading them
         self._steady: dict[int, list[int]] = {}  # index → ids of the CPU hooks ahead of it, read in place
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
-        self.readahead = ReadAhead(_weak_read(self))  # storage reads ahead of the page faults (file-backed values)
+        # Storage reads ahead of the page faults (file-backed values); direct reads only for the hooks whose values
+        # are used in place (CPU execution, default staging: take() hands them the slot views).
+        self.readahead = ReadAhead(_weak_read(self), takes_views=lambda hook: stage is globals()["stage"] and _on_cpu(hook.device))
         self.quiet = False  # this forward has nothing to stage or read ahead: the hooks skip take and schedule_after
         self._quiet_left = 0  # quiet forwards to come
         self._calm = False  # this (checked) forward has found nothing to do so far

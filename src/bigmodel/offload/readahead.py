@@ -107,8 +107,9 @@ class ReadAhead:
     """
 
     def __init__(self, read: Callable[[Any], dict[str, torch.Tensor]], window: int = WINDOW_BYTES,
-                 available: int | None = None) -> None:
+                 available: int | None = None, takes_views: Callable[[Any], bool] = lambda hook: False) -> None:
         self.read = read
+        self.takes_views = takes_views  # takes_views(hook): its forward takes slot views (take_direct); else no direct read
         self.window = window
         self.stream_ahead = STREAM_AHEAD
         self._reach = window  # bytes read ahead of the running module in this plan (see _plan)
@@ -130,6 +131,7 @@ class ReadAhead:
         self._lock = threading.Lock()  # forwards of one model from several threads share this state
         self._reads = InOrder()  # used on the read-ahead thread only
         self._values: list[dict[str, torch.Tensor]] = []  # the views the spans lie in (keeps their mappings)
+        self._takes: list[bool] = []  # per order position: its hook takes slot views (see takes_views)
         self.direct = Streams()  # streaming: released modules read with O_DIRECT into reused slots
         self._direct = False  # this plan reads released modules directly
         self._cached: list[bool] = []  # per order position, this pass: read through the page cache (see _route)
@@ -285,6 +287,7 @@ class ReadAhead:
         mappings = file_mappings()  # after the reads: they map the files not mapped yet (lazily opened shards)
         self._spans = [file_spans(tensors.values(), mappings) for tensors in values]
         self._values = [tensors if spans else {} for tensors, spans in zip(values, self._spans)]  # file-backed only
+        self._takes = [(hook := ref()) is not None and self.takes_views(hook) for ref in order]
         self._bytes = [sum(length for _, length in spans) for spans in self._spans]
         with_bytes = [i for i, size in enumerate(self._bytes) if size]
         self._probes = [self._spans[i][0] for i in with_bytes[:: -(-len(with_bytes) // PROBES) or 1]]  # <= PROBES modules
@@ -304,8 +307,9 @@ class ReadAhead:
             # Reading ``stream_ahead`` modules ahead (in the other half of the available memory) keeps the
             # disk busy while a slow module computes, and during the resident modules before the first one.
             self._reach = max(self.window, self.stream_ahead * max(self._bytes, default=0))
+            taken = [values if takes else {} for values, takes in zip(self._values, self._takes)]
             self._direct = os.environ.get(DIRECT_ENV, "1").strip() != "0" and self.direct.plan(
-                self._values, self.stream_ahead + 1, available)  # the running module and the ones read ahead
+                taken, self.stream_ahead + 1, available)  # the running module and the ones read ahead
         else:
             self._kept, self._cost = [True] * count, list(self._bytes)
             self._reach, self._direct = self.window, False
