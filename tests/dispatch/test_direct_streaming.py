@@ -130,3 +130,26 @@ def test_hooks_that_do_not_take_slot_views_are_read_through_the_page_cache(folde
         assert torch.equal(model(IDS).logits, expected)
     drain_workers()
     assert reads.streaming and not reads._direct and takes.served == [] and reads.direct._slots == []
+
+
+def test_a_model_that_fits_reads_its_first_forward_directly_then_fills_the_page_cache(folder, tmp_path, monkeypatch):
+    """Not streaming (the offloaded bytes fit in memory): the first forward reads every block into slots, each
+    later one reads a third of the offloaded bytes (three blocks here) into the page cache and the rest into
+    slots, until all are in RAM; then nothing is read or taken from slots any more."""
+    model, expected, hooks, spans_of, reads, takes = _streamed(folder, tmp_path, monkeypatch)
+    reads.available = 10 * AVAILABLE
+    left = len(BLOCKS)
+    with torch.no_grad():
+        for forward in range(6):
+            takes.served.clear()
+            assert torch.equal(model(IDS).logits, expected), forward
+            drain_workers()
+            assert not reads.streaming
+            served = [name for name in BLOCKS if id(hooks[name]) in takes.served]
+            # The first blocks of the order fill the page cache first (the first one may also be read back by
+            # the last block's prefetch of the next forward's first module): what comes from slots is a suffix.
+            assert served == BLOCKS[len(BLOCKS) - len(served):], forward
+            assert len(served) == left if forward == 0 else len(served) <= max(0, left - 3), forward
+            assert all(readahead.resident(spans_of[name]) for name in BLOCKS if name not in served), forward
+            left = len(served)
+    assert left == 0 and not reads.active

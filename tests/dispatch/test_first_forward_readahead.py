@@ -28,6 +28,12 @@ from bigmodel.offload import readahead
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
 
+
+@pytest.fixture(autouse=True)
+def _through_the_page_cache(monkeypatch):
+    """These tests follow the page-cache read-ahead (``madvise`` calls); direct reads: test_direct_streaming."""
+    monkeypatch.setenv(readahead.DIRECT_ENV, "0")
+
 BLOCKS = [f"model.layers.{i}" for i in range(4)]
 MAP = {"model.embed_tokens": "cpu", **dict.fromkeys(BLOCKS, "disk"), "model.norm": "cpu", "model.rotary_emb": "cpu",
        "lm_head": "cpu"}  # fmt: skip

@@ -27,6 +27,12 @@ from bigmodel.offload import in_order, readahead, resident
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
 
+
+@pytest.fixture(autouse=True)
+def _through_the_page_cache(monkeypatch):
+    """These tests follow the page-cache read-ahead (``madvise`` calls); direct reads: test_direct_streaming."""
+    monkeypatch.setenv(readahead.DIRECT_ENV, "0")
+
 CPU_LAYERS = ["model.layers.0", "model.layers.1"]
 DISK_LAYERS = ["model.layers.2", "model.layers.3"]
 MAP = {"model.embed_tokens": "cpu", **dict.fromkeys(CPU_LAYERS, "cpu"), **dict.fromkeys(DISK_LAYERS, "disk"),

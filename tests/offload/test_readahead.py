@@ -20,6 +20,12 @@ from bigmodel.offload.storage import OffloadedWeightsLoader
 pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
 
 
+@pytest.fixture(autouse=True)
+def _through_the_page_cache(monkeypatch):
+    """These tests follow the page-cache read-ahead (``madvise`` calls); direct reads: test_direct_streaming."""
+    monkeypatch.setenv(readahead.DIRECT_ENV, "0")
+
+
 def _mapped(tmp_path, mib: int = 8) -> tuple[torch.Tensor, str]:
     path = str(tmp_path / "w.safetensors")
     save_file({"w": torch.arange(mib * 2**18, dtype=torch.float32)}, path)

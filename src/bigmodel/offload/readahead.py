@@ -18,10 +18,10 @@ of the available memory, these from the second: a module that computes slowly, o
 before the first offloaded one, no longer find the disk idle with one module read), counting only
 the bytes of released modules (the kept ones are in RAM), and the end of a pass
 reads on into the next one's first released modules (:meth:`ReadAhead._wrap`): decoding, the
-disk never waits for a forward's start.  While streaming, modules are read with ``O_DIRECT`` into
-reused slots rather than through the page cache where they can be (:mod:`bigmodel.offload.direct`;
-their hooks take the slots' views, :meth:`ReadAhead.take_direct`): every released module, and the
-kept ones not in RAM yet beyond a per-forward budget (:meth:`ReadAhead._route`).
+disk never waits for a forward's start.  Modules are read with ``O_DIRECT`` into reused slots
+rather than through the page cache where they can be (:mod:`bigmodel.offload.direct`; their hooks
+take the slots' views, :meth:`ReadAhead.take_direct`): every released module, and the others not in
+RAM yet beyond a per-forward budget (:meth:`ReadAhead._route`; none at the first forward).
 
 Both calls are hints: they never change a value (a released page is read again from its file
 on the next access), and they are only made on spans of file-backed mappings (never on
@@ -264,13 +264,14 @@ class ReadAhead:
             self._route()
 
     def _route(self) -> None:
-        """Streaming with direct reads: which modules this pass reads through the page cache.
+        """With direct reads: which modules this pass reads through the page cache.
 
-        Released modules never are.  A kept module is when its pages are in RAM already, else while
-        this pass's budget lasts: none at the first pass (it fills no page cache: on the 2-core VM each
-        GB read into fresh page cache took ~1.3 s of CPU time, which the first token waited for), then
-        ``POPULATE_FRACTION`` of the kept bytes per pass (decoding, that CPU time overlaps the reads of
-        the released modules).  The others are read directly into slots like released ones."""
+        Released modules (streaming) never are.  A kept module (every module when not streaming) is when
+        its pages are in RAM already, else while this pass's budget lasts: none at the first pass (it
+        fills no page cache: on the 2-core VM each GB read into fresh page cache took ~1.3 s of CPU
+        time, which the first token waited for), then ``POPULATE_FRACTION`` of the kept bytes per pass
+        (decoding, that CPU time overlaps the other modules' reads).  The others are read directly into
+        slots like released ones; a model that fits in memory is all in the page cache after four passes."""
         budget = 0 if self._passes == 0 else POPULATE_FRACTION * sum(b for b, k in zip(self._bytes, self._kept) if k)
         self._passes += 1
         cached = []
@@ -280,7 +281,8 @@ class ReadAhead:
                 through, budget = True, budget - size
             cached.append(through)
         self._cached = cached
-        self._cost = [0 if through else size for through, size in zip(cached, self._bytes)]
+        # Streaming, the reach counts the bytes of modules not in the page cache only; otherwise all of them.
+        self._cost = [0 if through and self.streaming else size for through, size in zip(cached, self._bytes)]
 
     def _learn(self, order: Sequence[Any]) -> None:
         values = [self.read(hook) if (hook := ref()) is not None else {} for ref in order]
@@ -307,13 +309,13 @@ class ReadAhead:
             # Reading ``stream_ahead`` modules ahead (in the other half of the available memory) keeps the
             # disk busy while a slow module computes, and during the resident modules before the first one.
             self._reach = max(self.window, self.stream_ahead * max(self._bytes, default=0))
-            taken = [values if takes else {} for values, takes in zip(self._values, self._takes)]
-            self._direct = os.environ.get(DIRECT_ENV, "1").strip() != "0" and self.direct.plan(
-                taken, self.stream_ahead + 1, available)  # the running module and the ones read ahead
         else:
             self._kept, self._cost = [True] * count, list(self._bytes)
-            self._reach, self._direct = self.window, False
-            self.direct.close()  # its slots' memory, if it streamed before
+            self._reach = self.window
+        largest = max(self._bytes, default=0)
+        slots = -(-self._reach // largest) + 1 if largest else 0  # the running module and the ones read ahead
+        taken = [values if takes else {} for values, takes in zip(self._values, self._takes)]
+        self._direct = os.environ.get(DIRECT_ENV, "1").strip() != "0" and self.direct.plan(taken, slots, available)
         logger.debug("Reading offloaded weights ahead: %.2f GB in %d modules, %.0f MB ahead, %s",
                       total / 1e9, count, self._reach / 1e6,
                       f"releasing used modules but {sum(self._kept)} spread over the order" if self.streaming
