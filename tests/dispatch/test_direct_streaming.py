@@ -152,4 +152,4 @@ def test_a_model_that_fits_reads_its_first_forward_directly_then_fills_the_page_
             assert len(served) == left if forward == 0 else len(served) <= max(0, left - 3), forward
             assert all(readahead.resident(spans_of[name]) for name in BLOCKS if name not in served), forward
             left = len(served)
-    assert left == 0 and not reads.active
+    assert left == 0 and not reads.active and reads.direct._slots == []  # all in RAM: the slots are freed

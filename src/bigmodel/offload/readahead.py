@@ -262,6 +262,8 @@ class ReadAhead:
             self._plan()
         if self.active and self._direct:
             self._route()
+        elif not self.active and self._direct:  # all in RAM: the slots' memory goes back (a cold pass plans anew)
+            self.direct.close()
 
     def _route(self) -> None:
         """With direct reads: which modules this pass reads through the page cache.
@@ -313,8 +315,9 @@ class ReadAhead:
             self._kept, self._cost = [True] * count, list(self._bytes)
             self._reach = self.window
         largest = max(self._bytes, default=0)
-        slots = -(-self._reach // largest) + 1 if largest else 0  # the running module and the ones read ahead
         taken = [values if takes else {} for values, takes in zip(self._values, self._takes)]
+        # The running module and the ones read ahead, never more than there are modules to read.
+        slots = min(-(-self._reach // largest) + 1, sum(map(bool, taken))) if largest else 0
         self._direct = os.environ.get(DIRECT_ENV, "1").strip() != "0" and self.direct.plan(taken, slots, available)
         logger.debug("Reading offloaded weights ahead: %.2f GB in %d modules, %.0f MB ahead, %s",
                       total / 1e9, count, self._reach / 1e6,
