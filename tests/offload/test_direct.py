@@ -134,3 +134,22 @@ def test_a_file_under_dev_is_not_read_directly():
         values = _mapped(Path(folder), _tensors())
         assert direct.layout(values, Mappings()) is None
         assert not direct.Streams().plan([values], count=2, available=1 << 40)
+
+
+def test_a_file_truncated_after_the_layout_is_not_taken_from_a_stale_slot(tmp_path, monkeypatch):
+    """The slot held another module's bytes: a read that ends early (the file is shorter than its layout)
+    must not hand them out as this module's values.  Mapped without a lease (``BIGMODEL_MAPPED_WEIGHTS=map``
+    where the file system has none, e.g. NFS): nothing copies the mapping into memory before the truncation."""
+    from bigmodel.core import leases
+
+    monkeypatch.setenv("BIGMODEL_MAPPED_WEIGHTS", "map")
+    monkeypatch.setattr(leases, "supported", lambda: False)
+    first = _mapped(tmp_path, _tensors(0), "first.safetensors")
+    second = _mapped(tmp_path, _tensors(1), "second.safetensors")
+    streams = direct.Streams()
+    assert streams.plan([first, second], count=1, available=1 << 40)  # one slot: the second reuses the first's
+    assert streams.read(0, 10) and streams.take(10) is not None
+    assert streams.release(10)
+    os.truncate(tmp_path / "second.safetensors", 4096)  # the mapped views of ``second`` are never touched again
+    assert streams.read(1, 11)
+    assert streams.take(11) is None

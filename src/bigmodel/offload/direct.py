@@ -48,13 +48,15 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class Run(NamedTuple):
-    """One read: ``length`` bytes (page multiples) of file ``path`` from ``offset`` into the slot at ``at``."""
+    """One read: ``length`` bytes (page multiples) of file ``path`` from ``offset`` into the slot at ``at``,
+    of which the first ``data`` hold values (the rest of the last page may lie past the file's end)."""
 
     path: str
     inode: int
     offset: int
     length: int
     at: int
+    data: int = 0
 
 
 class Layout(NamedTuple):
@@ -92,9 +94,9 @@ def layout(values: Mapping[str, torch.Tensor], mappings: Mappings) -> Layout | N
         if last is None or (last.path, last.inode) != (path, inode) or offset >= last.offset + last.length + CHUNK_BYTES:
             last = Run(path, inode, offset - offset % PAGE, 0, last.at + last.length if last else 0)
             runs.append(last)
-        end = -(-(offset + size) // PAGE) * PAGE
-        if end > last.offset + last.length:
-            runs[-1] = last = last._replace(length=end - last.offset)
+        end = offset + size
+        if end > last.offset + last.data:
+            runs[-1] = last = last._replace(length=-(-end // PAGE) * PAGE - last.offset, data=end - last.offset)
         views.append((key, last.at + offset - last.offset, value.dtype, value.shape))
     spans = tuple(_page_span(p[5].data_ptr(), p[3]) for p in placed)
     sources = tuple((p[5], p[5]._version) for p in placed)
@@ -218,13 +220,16 @@ class Reader:
         return Reading(slot, plan, chunks)
 
     def _chunk(self, run: Run, start: int, length: int, slot: Slot, checked: Future) -> None:
+        """Read ``length`` bytes of ``run`` from ``start`` into ``slot``.  Raises OSError where the file
+        ends before the values do (truncated since it was mapped): the slot would hold stale bytes."""
         checked.result()
         fd = self.files.fd(run.path, run.inode)
+        needed = min(length, run.data - start)  # past the values, the file may end (the last page is rounded up)
         done, at = 0, run.at + start
-        while done < length:
+        while done < needed:
             got = os.preadv(fd, [slot.memory[at + done:at + length]], run.offset + start + done)
             if got <= 0:
-                break  # the end of the file (the run's last page is rounded up)
+                raise OSError(f"{run.path} ends {needed - done} bytes before its values do (truncated?)")
             done += got
 
     def close(self) -> None:
