@@ -153,3 +153,69 @@ def test_a_file_truncated_after_the_layout_is_not_taken_from_a_stale_slot(tmp_pa
     os.truncate(tmp_path / "second.safetensors", 4096)  # the mapped views of ``second`` are never touched again
     assert streams.read(1, 11)
     assert streams.take(11) is None
+
+
+def test_a_module_taken_by_two_forwards_at_once_loses_no_slot(tmp_path, monkeypatch):
+    """Two forwards of one model (two threads) take the same module: both slots go back to the pool."""
+    import threading
+
+    values = _mapped(tmp_path, _tensors())
+    streams = direct.Streams()
+    assert streams.plan([values], count=2, available=1 << 40)
+    entered, go = threading.Event(), threading.Event()
+    wait = direct.Reading.wait
+
+    def slow_first(reading):
+        if not entered.is_set():
+            entered.set()
+            assert go.wait(30)
+        return wait(reading)
+
+    monkeypatch.setattr(direct.Reading, "wait", slow_first)
+    taken = []
+    assert streams.read(0, 5)
+    other = threading.Thread(target=lambda: taken.append(streams.take(5)))
+    other.start()
+    assert entered.wait(30)  # the other forward waits for its reading (popped already)
+    assert streams.read(0, 5)  # this forward reads the module again, into the second slot
+    taken.append(streams.take(5))
+    go.set()
+    other.join(30)
+    assert all(values is not None for values in taken)
+    taken.clear()
+    assert streams.release(5)
+    assert streams.read(0, 6) and streams.read(0, 7)  # both slots are free again
+
+
+def test_a_slot_of_an_earlier_plan_taken_back_late_is_not_read_into(tmp_path, monkeypatch):
+    """A forward still waiting for its module (another thread) while a new plan with larger modules drops
+    the slots: the small slot it gives back afterwards must not be used for a larger module's values."""
+    import threading
+
+    small = _mapped(tmp_path, {"s": torch.arange(1000.0)}, "small.safetensors")
+    large = _mapped(tmp_path, _tensors(2), "large.safetensors")
+    streams = direct.Streams()
+    assert streams.plan([small], count=1, available=1 << 40)
+    entered, go = threading.Event(), threading.Event()
+    wait = direct.Reading.wait
+
+    def slow_first(reading):
+        if not entered.is_set():
+            entered.set()
+            assert go.wait(30)
+        return wait(reading)
+
+    monkeypatch.setattr(direct.Reading, "wait", slow_first)
+    assert streams.read(0, 1)
+    taken = []
+    other = threading.Thread(target=lambda: taken.append(streams.take(1)))
+    other.start()
+    assert entered.wait(30)
+    assert streams.plan([large], count=1, available=1 << 40)  # larger slots: the old ones are dropped
+    go.set()
+    other.join(30)
+    taken.clear()
+    streams.release(1)  # the old, small slot comes back
+    assert streams.read(0, 2)
+    read = streams.take(2)
+    assert read is not None and all(torch.equal(read[key], value) for key, value in large.items())

@@ -313,9 +313,12 @@ class Streams:
         values = reading.wait()
         with self._lock:
             if values is None:
-                self._idle.append((reading.slot, []))
-            else:
-                self._held[key] = reading.slot
+                self._idle_again(reading.slot)
+                return None
+            held = self._held.pop(key, None)  # another forward's take of this module (threads) kept its slot
+            if held is not None:
+                self._idle_again(held)
+            self._held[key] = reading.slot
         return values
 
     def release(self, key: int) -> bool:
@@ -342,10 +345,16 @@ class Streams:
         reading = self._reading.pop(key, None)
         slot = self._held.pop(key, None)
         if reading is not None:
-            self._idle.append((reading.slot, reading.chunks))
+            self._idle_again(reading.slot, reading.chunks)
         if slot is not None:
-            self._idle.append((slot, []))
+            self._idle_again(slot)
         return reading is not None or slot is not None
+
+    def _idle_again(self, slot: Slot, chunks: list[Future] | None = None) -> None:
+        """``slot`` may be read into again (once ``chunks`` are done), unless a new plan dropped it since it
+        was taken (another forward's module held it meanwhile: it may be smaller than the new layouts)."""
+        if any(slot is mine for mine in self._slots):
+            self._idle.append((slot, chunks or []))
 
     def _acquire(self) -> Slot | None:
         for i, (slot, chunks) in enumerate(self._idle):
