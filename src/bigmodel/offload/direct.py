@@ -323,7 +323,8 @@ class Streams:
 
     def release(self, key: int) -> bool:
         """Module ``key`` has run: its slot may be read into again (once no tensor views it).  True if it
-        had one (its mapped views' pages were then never read)."""
+        ran on a slot's views (its mapped views' pages were then never read); False where a reading was
+        never taken (recording gradients, the hook used its mapped views: their pages are to be released)."""
         with self._lock:
             return self._give_back(key)
 
@@ -348,7 +349,7 @@ class Streams:
             self._idle_again(reading.slot, reading.chunks)
         if slot is not None:
             self._idle_again(slot)
-        return reading is not None or slot is not None
+        return slot is not None
 
     def _idle_again(self, slot: Slot, chunks: list[Future] | None = None) -> None:
         """``slot`` may be read into again (once ``chunks`` are done), unless a new plan dropped it since it

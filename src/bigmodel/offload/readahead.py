@@ -225,8 +225,10 @@ class ReadAhead:
         return functools.partial(self._reads.read, used=used)
 
     def _read_direct(self, order: Sequence[Any], position: int) -> bool:
-        """Streaming, a released module is read directly into a slot where it can be (True)."""
-        return self._direct and not self._cached[position] and self.direct.read(position, _key(order, position))
+        """Streaming, a released module is read directly into a slot where it can be (True).  Not while
+        this forward records gradients: its hooks use their mapped views (:meth:`take_direct`)."""
+        return (self._direct and not self._cached[position] and not torch.is_grad_enabled()
+                and self.direct.read(position, _key(order, position)))
 
     def _wrap(self, order: Sequence[Any], index: int, ahead: int) -> list[tuple[Callable, list[Span], object]]:
         """Streaming, this pass read ahead to its end: read the next pass's first released modules
