@@ -102,3 +102,48 @@ def test_with_gradients_the_released_blocks_are_still_released(folder, tmp_path,
         resident = [name for name in RELEASED if readahead.resident(spans_of[name])]
         # The next pass's first released blocks may be read back already (within the read-ahead reach).
         assert len(resident) <= 2 and resident == RELEASED[:len(resident)], (forward, resident)
+
+
+def _threads(prefix: str) -> int:
+    return sum(1 for thread in threading.enumerate() if thread.name.startswith(prefix))
+
+
+def _open_under(path: Path) -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(path)):
+            found.append(target)
+    return found
+
+
+def test_models_deleted_and_loaded_again_leave_no_descriptors_or_threads(folder, tmp_path, monkeypatch):
+    """Three models streamed one after the other from their own copies of the checkpoint, each deleted
+    (and its folder removed) before the next: no descriptor of a removed file stays open, no reader
+    threads pile up."""
+    with torch.no_grad():
+        expected = _reference(folder)(IDS).logits
+    gc.collect()
+    before = _threads("bigmodel-direct")
+    for i in range(3):
+        copy = tmp_path / f"copy{i}"
+        shutil.copytree(folder, copy)
+        model, _, reads, _ = _streamed(copy, tmp_path / f"off{i}", monkeypatch)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(IDS).logits, expected)
+        assert torch.equal(model(IDS).logits.detach(), expected)  # with gradients: the page-cache path (drop)
+        drain_workers()
+        del model, reads
+        gc.collect()
+        drain_workers()
+        shutil.rmtree(copy)
+        assert _open_under(copy) == [], i
+        for _ in range(100):  # a freed pool's threads exit on their own, soon after
+            if _threads("bigmodel-direct") <= before:
+                break
+            time.sleep(0.05)
+        assert _threads("bigmodel-direct") <= before, i

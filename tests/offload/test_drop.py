@@ -102,3 +102,25 @@ def test_another_file_mapped_where_a_dropped_one_was_is_dropped(tmp_path):
     (address, length) = spans[0]
     assert not any(readahead.resident([(address + k * page, page)]) for k in range(0, length // page, 64))
     assert torch.equal(second, expected)
+
+
+def test_a_dropped_file_is_not_held_open_once_its_views_are_gone(tmp_path):
+    """Dropping keeps no descriptor of the file: a deleted model's files (and a removed offload folder's
+    disk space) are freed with its views, not at the process's end."""
+    import gc
+    import os
+
+    mapped, _, spans = _faulted_in(tmp_path)
+    assert drop(spans) == []
+    del mapped
+    gc.collect()
+    path = str(tmp_path / "w.safetensors")
+    os.remove(path)
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(path):
+                held.append(fd)
+        except OSError:
+            continue
+    assert held == []
