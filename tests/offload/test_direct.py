@@ -187,6 +187,42 @@ def test_a_module_taken_by_two_forwards_at_once_loses_no_slot(tmp_path, monkeypa
     assert streams.read(0, 6) and streams.read(0, 7)  # both slots are free again
 
 
+def test_a_file_rewritten_while_its_module_is_read_is_not_taken_from_the_slot(tmp_path, monkeypatch):
+    """A checkpoint rewritten in place under a live model: bigmodel's lease handler first copies the file's
+    mappings into memory (the values keep their old bytes), then the writer goes on (here this thread).  A read checked
+    before that and run after it got the new bytes: they must not be taken for the module's values."""
+    import threading
+
+    from bigmodel.core import leases
+
+    values = _mapped(tmp_path, _tensors())
+    expected = {key: value.clone() for key, value in values.items()}
+    streams = direct.Streams()
+    assert streams.plan([values], count=1, available=1 << 40)
+    if not leases.supported() or not leases.held():
+        pytest.skip("needs a read lease on the mapped file (bigmodel's protection of rewritten checkpoints)")
+    go = threading.Event()
+    chunk = direct.Reader._chunk
+
+    def held_back(reader, *args):
+        assert go.wait(30)
+        chunk(reader, *args)
+
+    monkeypatch.setattr(direct.Reader, "_chunk", held_back)
+    assert streams.read(0, 3)
+    streams._reading[3].chunks[0].result()  # checked: no page written in place yet
+    path = str(tmp_path / "w.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as rewritten:  # the lease breaks: the handler copies the mappings into memory first
+        header = 8 + int.from_bytes(rewritten.read(8), "little")
+        rewritten.seek(header)
+        rewritten.write(os.urandom(size - header))  # the same inode, new bytes after the header
+    go.set()
+    read = streams.take(3)
+    assert all(torch.equal(values[key], expected[key]) for key in values)  # the model keeps its values
+    assert read is None or all(torch.equal(read[key], expected[key]) for key in values)
+
+
 def test_a_slot_of_an_earlier_plan_taken_back_late_is_not_read_into(tmp_path, monkeypatch):
     """A forward still waiting for its module (another thread) while a new plan with larger modules drops
     the slots: the small slot it gives back afterwards must not be used for a larger module's values."""

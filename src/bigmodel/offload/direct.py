@@ -198,6 +198,11 @@ class Reading:
             return None
         if any(value._version != version for value, version in self.plan.sources):
             return None  # changed in place since it was laid out: the mapped values are the current ones
+        try:  # asked again once read: a file rewritten meanwhile had its mappings copied into memory first
+            _check_unwritten(self.plan)
+        except ValueError as error:
+            logger.debug("%s since it was read: the mapped values are used", error)
+            return None
         return self.slot.views(self.plan)
 
 
