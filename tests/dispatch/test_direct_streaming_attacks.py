@@ -147,3 +147,23 @@ def test_models_deleted_and_loaded_again_leave_no_descriptors_or_threads(folder,
                 break
             time.sleep(0.05)
         assert _threads("bigmodel-direct") <= before, i
+
+
+def test_modules_staged_for_an_accelerator_are_not_read_into_slots(folder, tmp_path, monkeypatch):
+    """Hooks staged by a DeviceStager (an accelerator, here the simulated one) never take a slot's views:
+    reading their modules into slots too would read every streamed byte twice."""
+    from _fake_accelerator import dispatch_as_accelerator, install
+
+    with torch.no_grad():
+        expected = _reference(folder)(IDS).logits
+    install(monkeypatch)
+    dispatch_as_accelerator(monkeypatch)
+    readings = []
+    read = direct.Reader.read
+    monkeypatch.setattr(direct.Reader, "read", lambda reader, plan, slot: readings.append(plan) or read(reader, plan, slot))
+    model, _, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch)
+    with torch.no_grad():
+        for forward in range(3):
+            assert torch.equal(model(IDS).logits, expected), forward
+    drain_workers()
+    assert reads.streaming and takes.served == [] and readings == []

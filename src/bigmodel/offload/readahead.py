@@ -104,11 +104,15 @@ class ReadAhead:
         read: ``read(hook) -> {name: tensor}``, the hook's offloaded values (mapped views).
         window: bytes read ahead of the running module (at least the largest module's).
         available: available memory in bytes (default: ``MemAvailable`` when reading ahead starts).
+        takes_direct: ``takes_direct(hook)``, True if the hook takes a slot's views (:meth:`take_direct`)
+            when its module was read directly (default: every hook).  The others (staged for an
+            accelerator) read their mapped views: their modules are never read into slots too.
     """
 
     def __init__(self, read: Callable[[Any], dict[str, torch.Tensor]], window: int = WINDOW_BYTES,
-                 available: int | None = None) -> None:
+                 available: int | None = None, takes_direct: Callable[[Any], bool] | None = None) -> None:
         self.read = read
+        self.takes_direct = takes_direct
         self.window = window
         self.stream_ahead = STREAM_AHEAD
         self._reach = window  # bytes read ahead of the running module in this plan (see _plan)
@@ -130,6 +134,7 @@ class ReadAhead:
         self._lock = threading.Lock()  # forwards of one model from several threads share this state
         self._reads = InOrder()  # used on the read-ahead thread only
         self._values: list[dict[str, torch.Tensor]] = []  # the views the spans lie in (keeps their mappings)
+        self._takes: list[bool] = []  # per order position: its hook takes a slot's views (see takes_direct)
         self.direct = Streams()  # streaming: released modules read with O_DIRECT into reused slots
         self._direct = False  # this plan reads released modules directly
         self._cached: list[bool] = []  # per order position, this pass: read through the page cache (see _route)
@@ -283,7 +288,10 @@ class ReadAhead:
         self._cost = [0 if through else size for through, size in zip(cached, self._bytes)]
 
     def _learn(self, order: Sequence[Any]) -> None:
-        values = [self.read(hook) if (hook := ref()) is not None else {} for ref in order]
+        hooks = [ref() for ref in order]
+        values = [self.read(hook) if hook is not None else {} for hook in hooks]
+        takes = self.takes_direct
+        self._takes = [hook is not None and (takes is None or takes(hook)) for hook in hooks]
         mappings = file_mappings()  # after the reads: they map the files not mapped yet (lazily opened shards)
         self._spans = [file_spans(tensors.values(), mappings) for tensors in values]
         self._values = [tensors if spans else {} for tensors, spans in zip(values, self._spans)]  # file-backed only
@@ -306,8 +314,9 @@ class ReadAhead:
             # Reading ``stream_ahead`` modules ahead (in the other half of the available memory) keeps the
             # disk busy while a slow module computes, and during the resident modules before the first one.
             self._reach = max(self.window, self.stream_ahead * max(self._bytes, default=0))
+            direct = [values if takes else {} for values, takes in zip(self._values, self._takes)]
             self._direct = os.environ.get(DIRECT_ENV, "1").strip() != "0" and self.direct.plan(
-                self._values, self.stream_ahead + 1, available)  # the running module and the ones read ahead
+                direct, self.stream_ahead + 1, available)  # the running module and the ones read ahead
         else:
             self._kept, self._cost = [True] * count, list(self._bytes)
             self._reach, self._direct = self.window, False
