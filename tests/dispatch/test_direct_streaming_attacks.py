@@ -100,8 +100,89 @@ def test_with_gradients_the_released_blocks_are_still_released(folder, tmp_path,
         drain_workers()
         assert reads.streaming and takes.served == []
         resident = [name for name in RELEASED if readahead.resident(spans_of[name])]
-        # The next pass's first released blocks may be read back already (within the read-ahead reach).
-        assert len(resident) <= 2 and resident == RELEASED[:len(resident)], (forward, resident)
+        # At most two left: the next pass's first released blocks read back already, or a prefetch's page
+        # touching that ran on after its block was released (the forward never waits for it).
+        assert len(resident) <= 2, (forward, resident)
+
+
+def test_gradients_through_streamed_blocks_equal_the_in_memory_models(folder, tmp_path, monkeypatch):
+    reference = _reference(folder)  # its values map the file: freed before the file's pages are dropped
+    embeds = reference.model.embed_tokens(IDS).detach().requires_grad_()
+    reference(inputs_embeds=embeds).logits.square().sum().backward()
+    del reference
+    model, _, reads, _ = _streamed(folder, tmp_path / "off", monkeypatch)
+    with torch.no_grad():
+        model(IDS)  # a first pass without gradients: slots read and held
+    for _ in range(2):
+        mine = embeds.detach().clone().requires_grad_()
+        model(inputs_embeds=mine).logits.square().sum().backward()
+        assert torch.equal(mine.grad, embeds.grad)
+    assert reads.streaming
+
+
+def test_inference_mode_and_generate_with_a_cache_equal_the_in_memory_model(folder, tmp_path, monkeypatch):
+    reference = _reference(folder)
+    with torch.no_grad():
+        expected = reference.generate(IDS, max_new_tokens=6, do_sample=False, output_scores=True,
+                                      return_dict_in_generate=True)
+        logits = reference(IDS).logits
+    del reference
+    model, hooks, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(IDS).logits, logits)
+    assert takes.served
+    with torch.no_grad():
+        out = model.generate(IDS, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, expected.scores))
+    assert len(reads.direct._slots) <= reads.stream_ahead + 1
+
+
+def test_a_forward_that_raises_midway_leaks_no_slot(folder, tmp_path, monkeypatch):
+    with torch.no_grad():
+        expected = _reference(folder)(IDS).logits
+    model, hooks, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected)
+        first = sorted(takes.served)
+        failing = model.get_submodule(BLOCKS[5]).mlp.register_forward_hook(lambda *a: 1 / 0)
+        for _ in range(3):
+            with pytest.raises(ZeroDivisionError):
+                model(IDS)
+        failing.remove()
+        for forward in range(4):
+            takes.served.clear()
+            assert torch.equal(model(IDS).logits, expected), forward
+        assert len(reads.direct._slots) <= reads.stream_ahead + 1
+        assert set(takes.served) - set(first) == set()
+        assert {id(hooks[name]) for name in RELEASED} <= set(takes.served)  # slots serve every released block again
+
+
+def test_a_weights_map_value_changed_in_place_between_forwards_is_used(folder, tmp_path, monkeypatch):
+    names = ("model.layers.0.mlp.down_proj", "model.layers.5.self_attn.q_proj")
+    reference = _reference(folder)
+    with torch.no_grad():
+        for name in names:
+            reference.get_submodule(name).weight.mul_(2)
+        expected = reference(IDS).logits
+    del reference
+    before = _digest(folder)
+    model, hooks, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch)
+    with torch.no_grad():
+        model(IDS)
+        model(IDS)
+        for name in names:
+            offload_hook_of(model.get_submodule(name)).weights_map["weight"].mul_(2)
+        for forward in range(3):
+            assert torch.equal(model(IDS).logits, expected), forward
+    assert _digest(folder) == before  # the checkpoint is never written
+
+
+def _digest(folder: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
 
 
 def _threads(prefix: str) -> int:
@@ -149,6 +230,110 @@ def test_models_deleted_and_loaded_again_leave_no_descriptors_or_threads(folder,
         assert _threads("bigmodel-direct") <= before, i
 
 
+def _write_tied_llama(path: Path, layers: int = 4) -> Path:
+    config = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(str(path))
+    return path
+
+
+def test_a_tied_head_on_disk_runs_twice_per_forward_from_slots(tmp_path, monkeypatch):
+    """Embeddings and head share one weight (8 MB), both on disk: the one file range is laid out for two
+    positions of the order, and the logits stay equal forward after forward."""
+    folder = _write_tied_llama(tmp_path / "tied")
+    with torch.no_grad():
+        expected = _reference(folder)(IDS).logits
+    layers = [f"model.layers.{i}" for i in range(4)]
+    device_map = {"model.embed_tokens": "disk", **dict.fromkeys(layers, "disk"), "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "disk"}
+    model, hooks, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch, device_map)
+    reads.available = 60_000_000
+    with torch.no_grad():
+        for forward in range(5):
+            assert torch.equal(model(IDS).logits, expected), forward
+    assert reads.streaming and takes.served
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_stream_bit_identical(tmp_path, monkeypatch, dtype):
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    folder = tmp_path / "half"
+    transformers.LlamaForCausalLM(config).to(dtype).eval().save_pretrained(str(folder))
+    with torch.no_grad():
+        expected = _reference(folder, dtype)(IDS).logits
+    model, _, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch, dtype=dtype)
+    reads.available = AVAILABLE // 2
+    with torch.no_grad():
+        for forward in range(4):
+            assert torch.equal(model(IDS).logits, expected), forward
+    assert reads.streaming and takes.served
+
+
+def test_an_offload_folder_of_dat_files_streams_from_slots(folder, tmp_path, monkeypatch):
+    """A ``.bin`` checkpoint: the disk blocks are written to an offload folder (one ``.dat`` file per
+    tensor) and read from there, several files per module."""
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    shutil.copy(folder / "config.json", binary / "config.json")
+    reference = _reference(folder)
+    torch.save({key: value.clone() for key, value in reference.state_dict().items()}, binary / "pytorch_model.bin")
+    with torch.no_grad():
+        expected = reference(IDS).logits
+    del reference
+    model, hooks, reads, takes = _streamed(binary, tmp_path / "off", monkeypatch)
+    assert list((tmp_path / "off").glob("**/*.dat"))
+    with torch.no_grad():
+        for forward in range(4):
+            assert torch.equal(model(IDS).logits, expected), forward
+    assert reads.streaming and {id(hooks[name]) for name in RELEASED} <= set(takes.served)
+
+
+def test_direct_reads_off_then_on_again(folder, tmp_path, monkeypatch):
+    with torch.no_grad():
+        expected = _reference(folder)(IDS).logits
+    model, hooks, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch)
+    with torch.no_grad():
+        model(IDS)
+        monkeypatch.setenv(readahead.DIRECT_ENV, "0")
+        reads.reset()
+        takes.served.clear()
+        for _ in range(2):
+            assert torch.equal(model(IDS).logits, expected)
+        assert takes.served == []
+        monkeypatch.delenv(readahead.DIRECT_ENV)
+        reads.reset()
+        for _ in range(2):
+            assert torch.equal(model(IDS).logits, expected)
+        assert takes.served
+        assert len(reads.direct._slots) <= reads.stream_ahead + 1
+
+
+def test_two_threads_forwarding_in_turn_equal_the_in_memory_model(folder, tmp_path, monkeypatch):
+    with torch.no_grad():
+        expected = _reference(folder)(IDS).logits
+    model, _, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch)
+    results, turn = [], threading.Lock()
+
+    def run():
+        for _ in range(3):
+            with turn, torch.no_grad():
+                results.append(torch.equal(model(IDS).logits, expected))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert results == [True] * 6 and takes.served
+
+
 def test_modules_staged_for_an_accelerator_are_not_read_into_slots(folder, tmp_path, monkeypatch):
     """Hooks staged by a DeviceStager (an accelerator, here the simulated one) never take a slot's views:
     reading their modules into slots too would read every streamed byte twice."""
@@ -167,3 +352,49 @@ def test_modules_staged_for_an_accelerator_are_not_read_into_slots(folder, tmp_p
             assert torch.equal(model(IDS).logits, expected), forward
     drain_workers()
     assert reads.streaming and takes.served == [] and readings == []
+
+
+def test_a_cast_after_streaming_casts_the_slot_values(folder, tmp_path, monkeypatch):
+    with torch.no_grad():
+        expected = _reference(folder).to(torch.bfloat16)(IDS).logits
+    model, _, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch)
+    with torch.no_grad():
+        model(IDS)
+        model.to(torch.bfloat16)
+        for forward in range(3):
+            takes.served.clear()
+            assert torch.equal(model(IDS).logits, expected), forward
+    assert takes.served
+
+
+def test_one_module_called_several_times_per_forward_albert(tmp_path, monkeypatch):
+    """ALBERT runs its one layer group at every layer: a single offloaded module, its hook run six times
+    per forward (each run starts a pass of the one-module order)."""
+    config = transformers.AlbertConfig(vocab_size=64, embedding_size=128, hidden_size=512, intermediate_size=2048,
+                                       num_hidden_layers=6, num_attention_heads=4, num_hidden_groups=1)
+    torch.manual_seed(4)
+    folder = tmp_path / "albert"
+    transformers.AlbertModel(config).eval().save_pretrained(str(folder))
+    with torch.no_grad():
+        expected = transformers.AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()(IDS)
+    with init_empty_weights():
+        model = transformers.AutoModel.from_config(transformers.AutoConfig.from_pretrained(str(folder)))
+    model.eval()
+    device_map = {"embeddings": "cpu", "encoder.embedding_hidden_mapping_in": "cpu",
+                  "encoder.albert_layer_groups.0": "disk", "pooler": "cpu"}
+    model = load_checkpoint_and_dispatch(model, str(folder), device_map=device_map, offload_folder=str(tmp_path / "o"))
+    hook = loading_hook_of(model.get_submodule("encoder.albert_layer_groups.0"))
+    gc.collect()  # the reference's values map the file
+    drain_workers()
+    drop(folder / "model.safetensors")
+    reads = hook.prefetcher.readahead
+    reads.window, reads.available = 1, 10_000_000
+    reads.direct.fraction = 10.0
+    takes = Takes(monkeypatch)
+    with torch.no_grad():
+        for forward in range(3):
+            out = model(IDS)
+            assert torch.equal(out.last_hidden_state, expected.last_hidden_state), forward
+            assert torch.equal(out.pooler_output, expected.pooler_output), forward
+    assert takes.served  # the first runs from a slot (then the one module, kept, is in the page cache)
+    assert len(reads.direct._slots) <= reads.stream_ahead + 1

@@ -136,6 +136,20 @@ def test_a_file_under_dev_is_not_read_directly():
         assert not direct.Streams().plan([values], count=2, available=1 << 40)
 
 
+def test_odd_dtypes_zero_size_and_unaligned_offsets_read_bit_for_bit(tmp_path):
+    """int8 of odd length, bool, float16, bfloat16 and an empty tensor in one file: every value equals its
+    mapped view (the empty one is passed on as it is)."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {"i8": torch.randint(-128, 127, (4099,), generator=g, dtype=torch.int8),
+               "flag": torch.rand(777, generator=g) > 0.5, "half": torch.randn(33, 17, generator=g).half(),
+               "bf": torch.randn(5, 9, generator=g).to(torch.bfloat16), "empty": torch.zeros(0, 4)}
+    values = _mapped(tmp_path, tensors)
+    read = _read(direct.Streams(), values)
+    assert read is not None and set(read) == set(values)
+    for key, value in values.items():
+        assert read[key].dtype == value.dtype and read[key].shape == value.shape and torch.equal(read[key], value), key
+
+
 def test_a_file_truncated_after_the_layout_is_not_taken_from_a_stale_slot(tmp_path, monkeypatch):
     """The slot held another module's bytes: a read that ends early (the file is shorter than its layout)
     must not hand them out as this module's values.  Mapped without a lease (``BIGMODEL_MAPPED_WEIGHTS=map``
