@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 MADV_DONTNEED = 4
 _PRESENT = np.uint64(1 << 63)
+_SWAPPED = np.uint64(1 << 62)  # a private copy swapped out: not present, still written
 _FILE_PAGE = np.uint64(1 << 61)  # a file page or shared anonymous memory: not a private copy
 
 
@@ -126,7 +127,8 @@ def open_inode(path: str, inode: int) -> int | None:
 
 
 def written(address: int, length: int) -> bool:
-    """True if a page of the span is a private copy (written in place), or when that cannot be known."""
+    """True if a page of the span is a private copy (written in place; in RAM or swapped out), or when that
+    cannot be known."""
     fd = _pagemap()
     if fd is None:
         return True
@@ -135,7 +137,8 @@ def written(address: int, length: int) -> bool:
     except OSError:
         return True
     entries = np.frombuffer(raw, dtype=np.uint64)
-    return len(raw) != 8 * (length // PAGE) or bool(np.any((entries & _PRESENT != 0) & (entries & _FILE_PAGE == 0)))
+    private = (entries & (_PRESENT | _SWAPPED) != 0) & (entries & _FILE_PAGE == 0)
+    return len(raw) != 8 * (length // PAGE) or bool(np.any(private))
 
 
 def _pagemap() -> int | None:
