@@ -125,7 +125,7 @@ def test_hooks_that_do_not_take_slot_views_are_read_through_the_page_cache(folde
     """An accelerator-executed hook stages its mapped views itself (pinned copies): nothing is read into slots
     for it (no one would take them), its bytes are asked for in the page cache as before."""
     model, expected, _, spans_of, reads, takes = _streamed(folder, tmp_path, monkeypatch)
-    reads.takes_views = lambda hook: False
+    reads.takes_direct = lambda hook: False
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, expected)
     drain_workers()

@@ -134,3 +134,138 @@ def test_a_file_under_dev_is_not_read_directly():
         values = _mapped(Path(folder), _tensors())
         assert direct.layout(values, Mappings()) is None
         assert not direct.Streams().plan([values], count=2, available=1 << 40)
+
+
+def test_odd_dtypes_zero_size_and_unaligned_offsets_read_bit_for_bit(tmp_path):
+    """int8 of odd length, bool, float16, bfloat16 and an empty tensor in one file: every value equals its
+    mapped view (the empty one is passed on as it is)."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {"i8": torch.randint(-128, 127, (4099,), generator=g, dtype=torch.int8),
+               "flag": torch.rand(777, generator=g) > 0.5, "half": torch.randn(33, 17, generator=g).half(),
+               "bf": torch.randn(5, 9, generator=g).to(torch.bfloat16), "empty": torch.zeros(0, 4)}
+    values = _mapped(tmp_path, tensors)
+    read = _read(direct.Streams(), values)
+    assert read is not None and set(read) == set(values)
+    for key, value in values.items():
+        assert read[key].dtype == value.dtype and read[key].shape == value.shape and torch.equal(read[key], value), key
+
+
+def test_a_file_truncated_after_the_layout_is_not_taken_from_a_stale_slot(tmp_path, monkeypatch):
+    """The slot held another module's bytes: a read that ends early (the file is shorter than its layout)
+    must not hand them out as this module's values.  Mapped without a lease (``BIGMODEL_MAPPED_WEIGHTS=map``
+    where the file system has none, e.g. NFS): nothing copies the mapping into memory before the truncation."""
+    from bigmodel.core import leases
+
+    monkeypatch.setenv("BIGMODEL_MAPPED_WEIGHTS", "map")
+    monkeypatch.setattr(leases, "supported", lambda: False)
+    first = _mapped(tmp_path, _tensors(0), "first.safetensors")
+    second = _mapped(tmp_path, _tensors(1), "second.safetensors")
+    streams = direct.Streams()
+    assert streams.plan([first, second], count=1, available=1 << 40)  # one slot: the second reuses the first's
+    assert streams.read(0, 10) and streams.take(10) is not None
+    assert streams.release(10)
+    os.truncate(tmp_path / "second.safetensors", 4096)  # the mapped views of ``second`` are never touched again
+    assert streams.read(1, 11)
+    assert streams.take(11) is None
+
+
+def test_a_module_taken_by_two_forwards_at_once_loses_no_slot(tmp_path, monkeypatch):
+    """Two forwards of one model (two threads) take the same module: both slots go back to the pool."""
+    import threading
+
+    values = _mapped(tmp_path, _tensors())
+    streams = direct.Streams()
+    assert streams.plan([values], count=2, available=1 << 40)
+    entered, go = threading.Event(), threading.Event()
+    wait = direct.Reading.wait
+
+    def slow_first(reading):
+        if not entered.is_set():
+            entered.set()
+            assert go.wait(30)
+        return wait(reading)
+
+    monkeypatch.setattr(direct.Reading, "wait", slow_first)
+    taken = []
+    assert streams.read(0, 5)
+    other = threading.Thread(target=lambda: taken.append(streams.take(5)))
+    other.start()
+    assert entered.wait(30)  # the other forward waits for its reading (popped already)
+    assert streams.read(0, 5)  # this forward reads the module again, into the second slot
+    taken.append(streams.take(5))
+    go.set()
+    other.join(30)
+    assert all(values is not None for values in taken)
+    taken.clear()
+    assert streams.release(5)
+    assert streams.read(0, 6) and streams.read(0, 7)  # both slots are free again
+
+
+def test_a_file_rewritten_while_its_module_is_read_is_not_taken_from_the_slot(tmp_path, monkeypatch):
+    """A checkpoint rewritten in place under a live model: bigmodel's lease handler first copies the file's
+    mappings into memory (the values keep their old bytes), then the writer goes on (here this thread).  A read checked
+    before that and run after it got the new bytes: they must not be taken for the module's values."""
+    import threading
+
+    from bigmodel.core import leases
+
+    values = _mapped(tmp_path, _tensors())
+    expected = {key: value.clone() for key, value in values.items()}
+    streams = direct.Streams()
+    assert streams.plan([values], count=1, available=1 << 40)
+    if not leases.supported() or not leases.held():
+        pytest.skip("needs a read lease on the mapped file (bigmodel's protection of rewritten checkpoints)")
+    go = threading.Event()
+    chunk = direct.Reader._chunk
+
+    def held_back(reader, *args):
+        assert go.wait(30)
+        chunk(reader, *args)
+
+    monkeypatch.setattr(direct.Reader, "_chunk", held_back)
+    assert streams.read(0, 3)
+    streams._reading[3].chunks[0].result()  # checked: no page written in place yet
+    path = str(tmp_path / "w.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as rewritten:  # the lease breaks: the handler copies the mappings into memory first
+        header = 8 + int.from_bytes(rewritten.read(8), "little")
+        rewritten.seek(header)
+        rewritten.write(os.urandom(size - header))  # the same inode, new bytes after the header
+    go.set()
+    read = streams.take(3)
+    assert all(torch.equal(values[key], expected[key]) for key in values)  # the model keeps its values
+    assert read is None or all(torch.equal(read[key], expected[key]) for key in values)
+
+
+def test_a_slot_of_an_earlier_plan_taken_back_late_is_not_read_into(tmp_path, monkeypatch):
+    """A forward still waiting for its module (another thread) while a new plan with larger modules drops
+    the slots: the small slot it gives back afterwards must not be used for a larger module's values."""
+    import threading
+
+    small = _mapped(tmp_path, {"s": torch.arange(1000.0)}, "small.safetensors")
+    large = _mapped(tmp_path, _tensors(2), "large.safetensors")
+    streams = direct.Streams()
+    assert streams.plan([small], count=1, available=1 << 40)
+    entered, go = threading.Event(), threading.Event()
+    wait = direct.Reading.wait
+
+    def slow_first(reading):
+        if not entered.is_set():
+            entered.set()
+            assert go.wait(30)
+        return wait(reading)
+
+    monkeypatch.setattr(direct.Reading, "wait", slow_first)
+    assert streams.read(0, 1)
+    taken = []
+    other = threading.Thread(target=lambda: taken.append(streams.take(1)))
+    other.start()
+    assert entered.wait(30)
+    assert streams.plan([large], count=1, available=1 << 40)  # larger slots: the old ones are dropped
+    go.set()
+    other.join(30)
+    taken.clear()
+    streams.release(1)  # the old, small slot comes back
+    assert streams.read(0, 2)
+    read = streams.take(2)
+    assert read is not None and all(torch.equal(read[key], value) for key, value in large.items())

@@ -102,3 +102,52 @@ def test_another_file_mapped_where_a_dropped_one_was_is_dropped(tmp_path):
     (address, length) = spans[0]
     assert not any(readahead.resident([(address + k * page, page)]) for k in range(0, length // page, 64))
     assert torch.equal(second, expected)
+
+
+def test_a_dropped_file_is_not_held_open_once_its_views_are_gone(tmp_path):
+    """Dropping keeps no descriptor of the file: a deleted model's files (and a removed offload folder's
+    disk space) are freed with its views, not at the process's end."""
+    import gc
+    import os
+
+    mapped, _, spans = _faulted_in(tmp_path)
+    assert drop(spans) == []
+    del mapped
+    gc.collect()
+    path = str(tmp_path / "w.safetensors")
+    os.remove(path)
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(path):
+                held.append(fd)
+        except OSError:
+            continue
+    assert held == []
+
+
+def test_a_page_written_in_place_then_swapped_out_counts_as_written(tmp_path, monkeypatch):
+    """A private copy swapped out is not present (pagemap bit 63) but swapped (bit 62): it still holds the
+    write, which ``MADV_DONTNEED`` would discard and a direct read would not see.  The kernel's pagemap
+    entries are given from a file (a swapped page cannot be made on demand here: no swap)."""
+    import os
+
+    from bigmodel.offload import drop as drop_module
+
+    page, address = 4096, 1 << 28
+    entries = {"swapped": 1 << 62, "file page": (1 << 63) | (1 << 61), "never touched": 0,
+               "written": 1 << 63}  # fmt: skip
+    path = tmp_path / "pagemap"
+    expected = {}
+    for i, (name, entry) in enumerate(entries.items()):
+        with open(path, "r+b" if path.exists() else "wb") as pagemap:
+            pagemap.seek(8 * (address // page + i))
+            pagemap.write(entry.to_bytes(8, "little"))
+        expected[name] = name in ("swapped", "written")
+    fd = os.open(path, os.O_RDONLY)
+    monkeypatch.setitem(drop_module._PAGEMAP, os.getpid(), fd)
+    try:
+        found = {name: drop_module.written(address + i * page, page) for i, name in enumerate(entries)}
+    finally:
+        os.close(fd)
+    assert found == expected

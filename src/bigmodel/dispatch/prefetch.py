@@ -40,6 +40,7 @@ Set ``BIGMODEL_PREFETCH_DEPTH=0`` to turn prefetching off (1 or 2 modules ahead 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import weakref
@@ -120,9 +121,9 @@ class Prefetcher:
         self._probes: dict[int, list] = {}  # id(hook) → spans of its values (found in RAM), asked without reading them
         self._steady: dict[int, list[int]] = {}  # index → ids of the CPU hooks ahead of it, read in place
         self.read_lock = threading.Lock()  # weights-map reads are serialised (loaders are not thread-safe)
-        # Storage reads ahead of the page faults (file-backed values); direct reads only for the hooks whose values
-        # are used in place (CPU execution, default staging: take() hands them the slot views).
-        self.readahead = ReadAhead(_weak_read(self), takes_views=lambda hook: stage is globals()["stage"] and _on_cpu(hook.device))
+        # Storage reads ahead of the page faults (file-backed values); CPU hooks using their values in place
+        # take slots' views where modules are read directly (take), no other hook does.
+        self.readahead = ReadAhead(_weak_read(self), takes_direct=functools.partial(_takes_direct, self.in_place))
         self.quiet = False  # this forward has nothing to stage or read ahead: the hooks skip take and schedule_after
         self._quiet_left = 0  # quiet forwards to come
         self._calm = False  # this (checked) forward has found nothing to do so far
@@ -365,3 +366,8 @@ def _weak_read(prefetcher: Prefetcher) -> Callable[[Any], dict[str, torch.Tensor
 
 def _on_cpu(device: torch.device | None) -> bool:
     return device is None or device.type == "cpu"
+
+
+def _takes_direct(in_place: bool, hook: Any) -> bool:
+    """True if :meth:`Prefetcher.take` gives ``hook`` a slot's views where its module was read directly."""
+    return in_place and _on_cpu(hook.device)

@@ -48,13 +48,15 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class Run(NamedTuple):
-    """One read: ``length`` bytes (page multiples) of file ``path`` from ``offset`` into the slot at ``at``."""
+    """One read: ``length`` bytes (page multiples) of file ``path`` from ``offset`` into the slot at ``at``,
+    of which the first ``data`` hold values (the rest of the last page may lie past the file's end)."""
 
     path: str
     inode: int
     offset: int
     length: int
     at: int
+    data: int = 0
 
 
 class Layout(NamedTuple):
@@ -92,9 +94,9 @@ def layout(values: Mapping[str, torch.Tensor], mappings: Mappings) -> Layout | N
         if last is None or (last.path, last.inode) != (path, inode) or offset >= last.offset + last.length + CHUNK_BYTES:
             last = Run(path, inode, offset - offset % PAGE, 0, last.at + last.length if last else 0)
             runs.append(last)
-        end = -(-(offset + size) // PAGE) * PAGE
-        if end > last.offset + last.length:
-            runs[-1] = last = last._replace(length=end - last.offset)
+        end = offset + size
+        if end > last.offset + last.data:
+            runs[-1] = last = last._replace(length=-(-end // PAGE) * PAGE - last.offset, data=end - last.offset)
         views.append((key, last.at + offset - last.offset, value.dtype, value.shape))
     spans = tuple(_page_span(p[5].data_ptr(), p[3]) for p in placed)
     sources = tuple((p[5], p[5]._version) for p in placed)
@@ -196,6 +198,11 @@ class Reading:
             return None
         if any(value._version != version for value, version in self.plan.sources):
             return None  # changed in place since it was laid out: the mapped values are the current ones
+        try:  # asked again once read: a file rewritten meanwhile had its mappings copied into memory first
+            _check_unwritten(self.plan)
+        except ValueError as error:
+            logger.debug("%s since it was read: the mapped values are used", error)
+            return None
         return self.slot.views(self.plan)
 
 
@@ -218,13 +225,16 @@ class Reader:
         return Reading(slot, plan, chunks)
 
     def _chunk(self, run: Run, start: int, length: int, slot: Slot, checked: Future) -> None:
+        """Read ``length`` bytes of ``run`` from ``start`` into ``slot``.  Raises OSError where the file
+        ends before the values do (truncated since it was mapped): the slot would hold stale bytes."""
         checked.result()
         fd = self.files.fd(run.path, run.inode)
+        needed = min(length, run.data - start)  # past the values, the file may end (the last page is rounded up)
         done, at = 0, run.at + start
-        while done < length:
+        while done < needed:
             got = os.preadv(fd, [slot.memory[at + done:at + length]], run.offset + start + done)
             if got <= 0:
-                break  # the end of the file (the run's last page is rounded up)
+                raise OSError(f"{run.path} ends {needed - done} bytes before its values do (truncated?)")
             done += got
 
     def close(self) -> None:
@@ -308,14 +318,18 @@ class Streams:
         values = reading.wait()
         with self._lock:
             if values is None:
-                self._idle.append((reading.slot, []))
-            else:
-                self._held[key] = reading.slot
+                self._idle_again(reading.slot)
+                return None
+            held = self._held.pop(key, None)  # another forward's take of this module (threads) kept its slot
+            if held is not None:
+                self._idle_again(held)
+            self._held[key] = reading.slot
         return values
 
     def release(self, key: int) -> bool:
         """Module ``key`` has run: its slot may be read into again (once no tensor views it).  True if it
-        had one (its mapped views' pages were then never read)."""
+        ran on a slot's views (its mapped views' pages were then never read); False where a reading was
+        never taken (recording gradients, the hook used its mapped views: their pages are to be released)."""
         with self._lock:
             return self._give_back(key)
 
@@ -337,10 +351,16 @@ class Streams:
         reading = self._reading.pop(key, None)
         slot = self._held.pop(key, None)
         if reading is not None:
-            self._idle.append((reading.slot, reading.chunks))
+            self._idle_again(reading.slot, reading.chunks)
         if slot is not None:
-            self._idle.append((slot, []))
-        return reading is not None or slot is not None
+            self._idle_again(slot)
+        return slot is not None
+
+    def _idle_again(self, slot: Slot, chunks: list[Future] | None = None) -> None:
+        """``slot`` may be read into again (once ``chunks`` are done), unless a new plan dropped it since it
+        was taken (another forward's module held it meanwhile: it may be smaller than the new layouts)."""
+        if any(slot is mine for mine in self._slots):
+            self._idle.append((slot, chunks or []))
 
     def _acquire(self) -> Slot | None:
         for i, (slot, chunks) in enumerate(self._idle):

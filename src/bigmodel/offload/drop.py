@@ -29,17 +29,17 @@ logger = logging.getLogger(__name__)
 
 MADV_DONTNEED = 4
 _PRESENT = np.uint64(1 << 63)
+_SWAPPED = np.uint64(1 << 62)  # a private copy swapped out: not present, still written
 _FILE_PAGE = np.uint64(1 << 61)  # a file page or shared anonymous memory: not a private copy
 
 
 class Mappings:
     """This process's file mappings (:class:`MappingRow`), read at the first lookup and again when an
     address is unknown (a row found may be stale: a mapping since replaced by another at the same
-    address), and read-only descriptors of their files."""
+    address)."""
 
     def __init__(self) -> None:
         self._table: tuple[list[MappingRow], list[int]] = ([], [])  # rows and their starts, replaced together
-        self._fds: dict[str, int] = {}
 
     def find(self, address: int, fresh: bool = False) -> MappingRow | None:
         """The row holding ``address`` (``fresh``: from ``/proc/self/maps`` read now), or None.
@@ -54,20 +54,6 @@ class Mappings:
             self._table = (rows, [row.start for row in rows])  # one assignment: other threads look up too
             row = self._lookup(address)
         return row
-
-    def fd(self, path: str, inode: int) -> int | None:
-        """A read-only descriptor of file ``inode`` at ``path`` (kept open), or None (deleted, replaced or
-        unreadable: a file written anew at the same path, e.g. an offload folder's, is another inode)."""
-        fd = self._fds.get(path)
-        if fd is None or os.fstat(fd).st_ino != inode:
-            if fd is not None:
-                os.close(self._fds.pop(path))
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
-                return None
-            self._fds[path] = fd
-        return fd if os.fstat(fd).st_ino == inode else None
 
     def _lookup(self, address: int) -> MappingRow | None:
         rows, starts = self._table
@@ -106,23 +92,43 @@ def _drop_one(span: Span) -> bool:
     row = _MAPPINGS.find(address) if _LIBC is not None and hasattr(os, "posix_fadvise") else None
     if row is None or address + length > row.end or written(address, length):
         return False
-    fd = _MAPPINGS.fd(row.path, row.inode)
+    fd = open_inode(row.path, row.inode)
     if fd is None:  # the row may be stale (the file mapped at that address since): ask once more
         row = _MAPPINGS.find(address, fresh=True)
-        fd = None if row is None or address + length > row.end else _MAPPINGS.fd(row.path, row.inode)
+        fd = None if row is None or address + length > row.end else open_inode(row.path, row.inode)
     if fd is None:
         return False
-    if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_DONTNEED) != 0:
-        return False
     try:
-        os.posix_fadvise(fd, row.offset + address - row.start, length, os.POSIX_FADV_DONTNEED)
-    except OSError as error:  # unmapped but cached: the kernel reclaims the pages when it needs them
-        logger.debug("posix_fadvise(DONTNEED) of %s failed: %s", row.path, error)
+        if _LIBC.madvise(ctypes.c_void_p(address), length, MADV_DONTNEED) != 0:
+            return False
+        try:
+            os.posix_fadvise(fd, row.offset + address - row.start, length, os.POSIX_FADV_DONTNEED)
+        except OSError as error:  # unmapped but cached: the kernel reclaims the pages when it needs them
+            logger.debug("posix_fadvise(DONTNEED) of %s failed: %s", row.path, error)
+    finally:
+        os.close(fd)
     return True
 
 
+def open_inode(path: str, inode: int) -> int | None:
+    """A read-only descriptor of file ``inode`` at ``path`` (the caller closes it), or None (deleted, replaced
+    or unreadable: a file written anew at the same path, e.g. an offload folder's, is another inode).
+
+    Opened for each drop, never kept: a descriptor kept open per path held every file a deleted model
+    had mapped (and removed offload folders' disk space) until the process ended."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    if os.fstat(fd).st_ino != inode:
+        os.close(fd)
+        return None
+    return fd
+
+
 def written(address: int, length: int) -> bool:
-    """True if a page of the span is a private copy (written in place), or when that cannot be known."""
+    """True if a page of the span is a private copy (written in place; in RAM or swapped out), or when that
+    cannot be known."""
     fd = _pagemap()
     if fd is None:
         return True
@@ -131,7 +137,8 @@ def written(address: int, length: int) -> bool:
     except OSError:
         return True
     entries = np.frombuffer(raw, dtype=np.uint64)
-    return len(raw) != 8 * (length // PAGE) or bool(np.any((entries & _PRESENT != 0) & (entries & _FILE_PAGE == 0)))
+    private = (entries & (_PRESENT | _SWAPPED) != 0) & (entries & _FILE_PAGE == 0)
+    return len(raw) != 8 * (length // PAGE) or bool(np.any(private))
 
 
 def _pagemap() -> int | None:

@@ -104,12 +104,15 @@ class ReadAhead:
         read: ``read(hook) -> {name: tensor}``, the hook's offloaded values (mapped views).
         window: bytes read ahead of the running module (at least the largest module's).
         available: available memory in bytes (default: ``MemAvailable`` when reading ahead starts).
+        takes_direct: ``takes_direct(hook)``, True if the hook takes a slot's views (:meth:`take_direct`)
+            when its module was read directly (default: every hook).  The others (staged for an
+            accelerator) read their mapped views: their modules are never read into slots too.
     """
 
     def __init__(self, read: Callable[[Any], dict[str, torch.Tensor]], window: int = WINDOW_BYTES,
-                 available: int | None = None, takes_views: Callable[[Any], bool] = lambda hook: False) -> None:
+                 available: int | None = None, takes_direct: Callable[[Any], bool] | None = None) -> None:
         self.read = read
-        self.takes_views = takes_views  # takes_views(hook): its forward takes slot views (take_direct); else no direct read
+        self.takes_direct = takes_direct
         self.window = window
         self.stream_ahead = STREAM_AHEAD
         self._reach = window  # bytes read ahead of the running module in this plan (see _plan)
@@ -131,7 +134,7 @@ class ReadAhead:
         self._lock = threading.Lock()  # forwards of one model from several threads share this state
         self._reads = InOrder()  # used on the read-ahead thread only
         self._values: list[dict[str, torch.Tensor]] = []  # the views the spans lie in (keeps their mappings)
-        self._takes: list[bool] = []  # per order position: its hook takes slot views (see takes_views)
+        self._takes: list[bool] = []  # per order position: its hook takes a slot's views (see takes_direct)
         self.direct = Streams()  # streaming: released modules read with O_DIRECT into reused slots
         self._direct = False  # this plan reads released modules directly
         self._cached: list[bool] = []  # per order position, this pass: read through the page cache (see _route)
@@ -227,8 +230,10 @@ class ReadAhead:
         return functools.partial(self._reads.read, used=used)
 
     def _read_direct(self, order: Sequence[Any], position: int) -> bool:
-        """Streaming, a released module is read directly into a slot where it can be (True)."""
-        return self._direct and not self._cached[position] and self.direct.read(position, _key(order, position))
+        """Streaming, a released module is read directly into a slot where it can be (True).  Not while
+        this forward records gradients: its hooks use their mapped views (:meth:`take_direct`)."""
+        return (self._direct and not self._cached[position] and not torch.is_grad_enabled()
+                and self.direct.read(position, _key(order, position)))
 
     def _wrap(self, order: Sequence[Any], index: int, ahead: int) -> list[tuple[Callable, list[Span], object]]:
         """Streaming, this pass read ahead to its end: read the next pass's first released modules
@@ -287,11 +292,13 @@ class ReadAhead:
         self._cost = [0 if through and self.streaming else size for through, size in zip(cached, self._bytes)]
 
     def _learn(self, order: Sequence[Any]) -> None:
-        values = [self.read(hook) if (hook := ref()) is not None else {} for ref in order]
+        hooks = [ref() for ref in order]
+        values = [self.read(hook) if hook is not None else {} for hook in hooks]
+        takes = self.takes_direct
+        self._takes = [hook is not None and (takes is None or takes(hook)) for hook in hooks]
         mappings = file_mappings()  # after the reads: they map the files not mapped yet (lazily opened shards)
         self._spans = [file_spans(tensors.values(), mappings) for tensors in values]
         self._values = [tensors if spans else {} for tensors, spans in zip(values, self._spans)]  # file-backed only
-        self._takes = [(hook := ref()) is not None and self.takes_views(hook) for ref in order]
         self._bytes = [sum(length for _, length in spans) for spans in self._spans]
         with_bytes = [i for i, size in enumerate(self._bytes) if size]
         self._probes = [self._spans[i][0] for i in with_bytes[:: -(-len(with_bytes) // PROBES) or 1]]  # <= PROBES modules
