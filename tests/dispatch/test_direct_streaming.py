@@ -15,6 +15,7 @@ import pytest
 import torch
 from _fake_accelerator import drain_workers
 from _page_cache import drop, write_wide_llama
+from _slot_takes import Takes
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks.align_hook import loading_hook_of
@@ -40,22 +41,6 @@ def folder(tmp_path_factory) -> Path:
 def _reference(folder: Path) -> torch.Tensor:
     with torch.no_grad():
         return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()(IDS).logits
-
-
-class Takes:
-    """Counts, per hook id, the values taken from slots."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.served: list[int] = []
-        take = direct.Streams.take
-
-        def taking(streams, key):
-            values = take(streams, key)
-            if values is not None:
-                self.served.append(key)
-            return values
-
-        monkeypatch.setattr(direct.Streams, "take", taking)
 
 
 def _streamed(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -19,6 +19,7 @@ import pytest
 import torch
 from _fake_accelerator import drain_workers
 from _page_cache import drop, write_wide_llama
+from _slot_takes import Takes
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks.align_hook import loading_hook_of, offload_hook_of
@@ -44,22 +45,6 @@ def folder(tmp_path_factory) -> Path:
 
 def _reference(folder: Path, dtype: torch.dtype = torch.float32):
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-
-
-class Takes:
-    """Counts, per hook id, the values taken from slots."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.served: list[int] = []
-        take = direct.Streams.take
-
-        def taking(streams, key):
-            values = take(streams, key)
-            if values is not None:
-                self.served.append(key)
-            return values
-
-        monkeypatch.setattr(direct.Streams, "take", taking)
 
 
 def _streamed(folder: Path, offload: Path, monkeypatch: pytest.MonkeyPatch, device_map: dict = MAP,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -169,13 +170,9 @@ def test_a_file_truncated_after_the_layout_is_not_taken_from_a_stale_slot(tmp_pa
     assert streams.take(11) is None
 
 
-def test_a_module_taken_by_two_forwards_at_once_loses_no_slot(tmp_path, monkeypatch):
-    """Two forwards of one model (two threads) take the same module: both slots go back to the pool."""
-    import threading
-
-    values = _mapped(tmp_path, _tensors())
-    streams = direct.Streams()
-    assert streams.plan([values], count=2, available=1 << 40)
+def _first_wait_held(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """``Reading.wait`` made to stop at its first call: ``entered`` is set once it is there, and it goes on
+    when ``go`` is set (a forward's take held while another thread acts)."""
     entered, go = threading.Event(), threading.Event()
     wait = direct.Reading.wait
 
@@ -186,6 +183,15 @@ def test_a_module_taken_by_two_forwards_at_once_loses_no_slot(tmp_path, monkeypa
         return wait(reading)
 
     monkeypatch.setattr(direct.Reading, "wait", slow_first)
+    return entered, go
+
+
+def test_a_module_taken_by_two_forwards_at_once_loses_no_slot(tmp_path, monkeypatch):
+    """Two forwards of one model (two threads) take the same module: both slots go back to the pool."""
+    values = _mapped(tmp_path, _tensors())
+    streams = direct.Streams()
+    assert streams.plan([values], count=2, available=1 << 40)
+    entered, go = _first_wait_held(monkeypatch)
     taken = []
     assert streams.read(0, 5)
     other = threading.Thread(target=lambda: taken.append(streams.take(5)))
@@ -205,8 +211,6 @@ def test_a_file_rewritten_while_its_module_is_read_is_not_taken_from_the_slot(tm
     """A checkpoint rewritten in place under a live model: bigmodel's lease handler first copies the file's
     mappings into memory (the values keep their old bytes), then the writer goes on (here this thread).  A read checked
     before that and run after it got the new bytes: they must not be taken for the module's values."""
-    import threading
-
     from bigmodel.core import leases
 
     values = _mapped(tmp_path, _tensors())
@@ -240,22 +244,11 @@ def test_a_file_rewritten_while_its_module_is_read_is_not_taken_from_the_slot(tm
 def test_a_slot_of_an_earlier_plan_taken_back_late_is_not_read_into(tmp_path, monkeypatch):
     """A forward still waiting for its module (another thread) while a new plan with larger modules drops
     the slots: the small slot it gives back afterwards must not be used for a larger module's values."""
-    import threading
-
     small = _mapped(tmp_path, {"s": torch.arange(1000.0)}, "small.safetensors")
     large = _mapped(tmp_path, _tensors(2), "large.safetensors")
     streams = direct.Streams()
     assert streams.plan([small], count=1, available=1 << 40)
-    entered, go = threading.Event(), threading.Event()
-    wait = direct.Reading.wait
-
-    def slow_first(reading):
-        if not entered.is_set():
-            entered.set()
-            assert go.wait(30)
-        return wait(reading)
-
-    monkeypatch.setattr(direct.Reading, "wait", slow_first)
+    entered, go = _first_wait_held(monkeypatch)
     assert streams.read(0, 1)
     taken = []
     other = threading.Thread(target=lambda: taken.append(streams.take(1)))

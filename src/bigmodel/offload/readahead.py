@@ -230,7 +230,8 @@ class ReadAhead:
         return functools.partial(self._reads.read, used=used)
 
     def _read_direct(self, order: Sequence[Any], position: int) -> bool:
-        """Streaming, a released module is read directly into a slot where it can be (True).  Not while
+        """A module not routed through the page cache this pass (:meth:`_route`) is read directly into a
+        slot where it can be (True).  Not while
         this forward records gradients: its hooks use their mapped views (:meth:`take_direct`)."""
         return (self._direct and not self._cached[position] and not torch.is_grad_enabled()
                 and self.direct.read(position, _key(order, position)))
