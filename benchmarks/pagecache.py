@@ -47,21 +47,30 @@ def _page_span(start: int, end: int) -> tuple[int, int]:
     return start // PAGE * PAGE, -(-end // PAGE) * PAGE
 
 
+def _inner_span(start: int, end: int, size: int) -> tuple[int, int]:
+    """The pages wholly inside ``[start, end)`` of a file of ``size`` bytes (its last page counts whole at its end):
+    a page shared with bytes outside the range (another module's tensor) stays cached."""
+    return -(-start // PAGE) * PAGE, -(-end // PAGE) * PAGE if end >= size else end // PAGE * PAGE
+
+
 def drop(ranges: Ranges) -> None:
-    """Drop the byte ranges of each file from the page cache (unmapping this process's pages first)."""
+    """Drop the byte ranges of each file from the page cache (unmapping this process's pages first).  Only the
+    pages wholly inside a range: one it shares with other bytes (a tensor of a module in memory) is kept."""
     paths = {str(Path(p).resolve()) for p in ranges}
     resolved = {str(Path(p).resolve()): r for p, r in ranges.items()}
+    sizes = {path: os.path.getsize(path) for path in resolved}
     for lo, hi, offset, path in _mappings_of(paths):
         for start, end in resolved[path]:
-            a, b = _page_span(max(start, offset), min(end, offset + hi - lo))
+            a, b = _inner_span(max(start, offset), min(end, offset + hi - lo), sizes[path])
             if a < b:
                 _LIBC.madvise(ctypes.c_void_p(lo + a - offset), b - a, MADV_DONTNEED)
     for path, spans in resolved.items():
         fd = os.open(path, os.O_RDONLY)
         try:
             for start, end in spans:
-                a, b = _page_span(start, end)
-                os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+                a, b = _inner_span(start, end, sizes[path])
+                if a < b:
+                    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 

@@ -138,3 +138,27 @@ def test_a_model_that_fits_reads_its_first_forward_directly_then_fills_the_page_
             assert all(readahead.resident(spans_of[name]) for name in BLOCKS if name not in served), forward
             left = len(served)
     assert left == 0 and not reads.active and reads.direct._slots == []  # all in RAM: the slots are freed
+
+
+def test_page_cache_fills_found_evicted_hold_off_filling_doubling(folder, tmp_path, monkeypatch):
+    """What a forward read into the page cache is gone at the next one (memory pressure, or as here the pages
+    released between forwards): the next ``FILL_HOLD`` forwards read every block into slots (each GB filled
+    costs CPU time the forward waits for), then a forward fills again; found evicted again, the hold doubles.
+    Kept in RAM, the fills go on (the test above)."""
+    model, expected, hooks, spans_of, reads, takes = _streamed(folder, tmp_path, monkeypatch)
+    reads.available = 10 * AVAILABLE
+    monkeypatch.setattr(readahead, "FILL_HOLD", 2)
+    slotted = []
+    with torch.no_grad():
+        for forward in range(12):
+            takes.served.clear()
+            assert torch.equal(model(IDS).logits, expected), forward
+            drain_workers()
+            slotted.append(sum(id(hooks[name]) in takes.served for name in BLOCKS))
+            for spans in spans_of.values():
+                readahead.release(spans)
+            assert not any(readahead.resident(spans) for spans in spans_of.values()), forward
+    # 1: the first forward fills nothing; 2: three blocks filled; 3-4: evicted, a hold of 2; 5: filled;
+    # 6-9: evicted again, a hold of 4; 10: filled; 11-12: a hold of 8.
+    assert slotted == [10, 7, 10, 10, 7, 10, 10, 10, 10, 7, 10, 10]
+    assert reads._hold == 6 and reads._backoff == 8

@@ -21,7 +21,8 @@ reads on into the next one's first released modules (:meth:`ReadAhead._wrap`): d
 disk never waits for a forward's start.  Modules are read with ``O_DIRECT`` into reused slots
 rather than through the page cache where they can be (:mod:`bigmodel.offload.direct`; their hooks
 take the slots' views, :meth:`ReadAhead.take_direct`): every released module, and the others not in
-RAM yet beyond a per-forward budget (:meth:`ReadAhead._route`; none at the first forward).
+RAM yet beyond a per-forward budget (:meth:`ReadAhead._route`; none at the first forward, nor for
+a while once pages filled are found evicted: :meth:`ReadAhead._hold_fills`).
 
 Both calls are hints: they never change a value (a released page is read again from its file
 on the next access), and they are only made on spans of file-backed mappings (never on
@@ -78,6 +79,8 @@ STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory
 STREAM_AHEAD = 2  # streaming: largest modules' bytes read ahead of the running module (see ReadAhead._plan)
 DIRECT_ENV = "BIGMODEL_DIRECT_READS"  # "0": streaming reads go through the page cache (see offload.direct)
 POPULATE_FRACTION = 1 / 3  # of the kept modules' bytes: read into the page cache per pass, at most (ReadAhead._route)
+FILL_HOLD = 4  # passes that fill no page cache once pages a pass read into it are found evicted (doubling each time)
+FILL_HOLD_MAX = 64  # the longest such hold, in passes (see ReadAhead._hold_fills)
 
 def _executor() -> ThreadPoolExecutor:
     return worker("bigmodel-readahead")
@@ -139,6 +142,10 @@ class ReadAhead:
         self._direct = False  # this plan reads released modules directly
         self._cached: list[bool] = []  # per order position, this pass: read through the page cache (see _route)
         self._passes = 0  # passes begun with direct reads (never reset: the first one fills no page cache)
+        self._filled = False  # the last pass read modules into the page cache (see _hold_fills)
+        self._reached = 0  # order positions the last pass advised (its modules ran or were read)
+        self._hold = 0  # passes left that fill no page cache (its pages were evicted: see _hold_fills)
+        self._backoff = 0  # the length of the last hold, in passes
 
     def reset(self) -> None:
         """Forget the spans (call when a weights map's values change)."""
@@ -254,6 +261,7 @@ class ReadAhead:
         return jobs
 
     def _new_pass(self, order: Sequence[Any]) -> None:
+        self._reached = self._ahead
         self._ahead, self._next, self._releasing = 0, 0, {}
         self._used, self._next_used = self._next_used, {}
         learned = self._spans is None or len(self._spans) != len(order)
@@ -277,22 +285,45 @@ class ReadAhead:
         Released modules (streaming) never are.  A kept module (every module when not streaming) is when
         its pages are in RAM already, else while this pass's budget lasts: none at the first pass (it
         fills no page cache: on the 2-core VM each GB read into fresh page cache took ~1.3 s of CPU
-        time, which the first token waited for), then ``POPULATE_FRACTION`` of the kept bytes per pass
-        (decoding, that CPU time overlaps the other modules' reads).  The others are read directly into
-        slots like released ones; a model that fits in memory is all in the page cache after four passes."""
-        budget = 0 if self._passes == 0 else POPULATE_FRACTION * sum(b for b, k in zip(self._bytes, self._kept) if k)
+        time, which the first token waited for), none while a hold lasts (:meth:`_hold_fills`), else
+        ``POPULATE_FRACTION`` of the kept bytes per pass (decoding, that CPU time overlaps the other
+        modules' reads).  The others are read directly into slots like released ones; a model that fits
+        in memory is all in the page cache after four passes."""
+        now = [kept and resident(spans) for spans, kept in zip(self._spans or [], self._kept)]
+        fill = self._hold_fills(now) and self._passes > 0
+        budget = POPULATE_FRACTION * sum(b for b, k in zip(self._bytes, self._kept) if k) if fill else 0
         self._passes += 1
-        cached = []
-        for spans, kept, size in zip(self._spans or [], self._kept, self._bytes):
-            through = kept and resident(spans)
+        cached, filled = [], False
+        for through, kept, size in zip(now, self._kept, self._bytes):
             if kept and not through and size <= budget:
-                through, budget = True, budget - size
+                through, budget, filled = True, budget - size, True
             cached.append(through)
-        self._cached = cached
+        self._cached, self._filled = cached, filled
         # Streaming, the reach counts the bytes of modules not in the page cache only; otherwise all of them.
         self._cost = [0 if through and self.streaming else size for through, size in zip(cached, self._bytes)]
 
+    def _hold_fills(self, now: list[bool]) -> bool:
+        """True if this pass may read modules into the page cache.  ``now``: per order position, its pages are
+        in RAM at this pass's start.
+
+        A module the last pass read through the page cache (and reached) whose pages are gone now was evicted:
+        memory pressure, or another program dropping them, takes what is filled before it is used again, and
+        each GB filled costs CPU time the forward waits for.  Then the next ``FILL_HOLD`` passes fill nothing
+        (their modules are read into slots), and a hold that follows another right away lasts twice as long,
+        up to ``FILL_HOLD_MAX`` passes; a pass whose fills are all found in RAM ends the doubling."""
+        last = self._cached if len(self._cached) == len(now) else []
+        if any(through and not now[i] for i, through in enumerate(last[:self._reached])):
+            self._backoff = min(max(FILL_HOLD, 2 * self._backoff), FILL_HOLD_MAX)
+            self._hold = self._backoff
+            logger.debug("Offloaded pages read into the page cache were evicted: none filled for %d passes", self._hold)
+        elif self._filled:
+            self._backoff = 0
+        fill = self._hold == 0
+        self._hold = max(0, self._hold - 1)
+        return fill
+
     def _learn(self, order: Sequence[Any]) -> None:
+        self._cached = []  # of the last order: no evictions to find in it (see _hold_fills)
         hooks = [ref() for ref in order]
         values = [self.read(hook) if hook is not None else {} for hook in hooks]
         takes = self.takes_direct
