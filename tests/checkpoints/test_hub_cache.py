@@ -239,3 +239,25 @@ def test_plain_folder_shards_still_may_not_link_out(source, tmp_path):
         os.symlink(link.resolve(), plain / link.name)
     with pytest.raises(ValueError, match=r"resolves outside the checkpoint folder"):
         load_checkpoint_in_model(_empty(source), plain)
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "safetensors-sharded"])
+def test_a_repo_folder_linked_to_a_folder_named_otherwise_loads(source, reference, tmp_path, layout):
+    """``models--org--name`` a symlink to ``/bigdisk/llama-tiny`` (a cache moved to a larger disk): the snapshot's
+    blobs lie inside the linked repo folder, so its shards load as transformers loads them (sharded ones were
+    refused as resolving outside the checkpoint folder)."""
+    snapshot = make_hub_repo(tmp_path / "hub", source, layout)
+    repo = snapshot.parent.parent
+    moved = tmp_path / "bigdisk" / "llama-tiny"
+    moved.parent.mkdir()
+    repo.rename(moved)
+    os.symlink(moved, repo)
+    model = _empty(source)
+    load_checkpoint_in_model(model, snapshot, strict=True)
+    expected, _ = reference
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in expected.items())
+    name = "model-00001-of-00002.safetensors" if layout == "safetensors-sharded" else "model.safetensors"
+    _copy_blob_to(snapshot, name, tmp_path / "bigdisk" / "elsewhere")  # a link out of the linked repo: refused
+    _relink(snapshot / name, tmp_path / "bigdisk" / "elsewhere")
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + r".* links to .*outside the hub repo folder"):
+        load_checkpoint_in_model(_empty(source), snapshot)

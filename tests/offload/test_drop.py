@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _page_cache import drop as drop_cache
@@ -61,6 +63,11 @@ def _map_raw(path, values: torch.Tensor) -> torch.Tensor:
     checkpoints."""
     tmp = path.with_suffix(".tmp")
     values.numpy().tofile(tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:  # written back: drop() drops clean pages only (dirty ones stayed cached when writeback lagged, under load)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     tmp.replace(path)  # a new inode at the same path
     storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=values.nbytes)
     return torch.tensor([], dtype=values.dtype).set_(storage)

@@ -101,8 +101,9 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> CheckpointFiles:
             f"Checkpoint {str(path)!r} is not a regular file (a pipe, socket or device); pass a weights file, "
             "an index or a folder."
         )
+    lexical = Path(os.path.abspath(path.parent))  # a symlinked repo folder may have another name where it lies
     path = path.parent.resolve() / path.name
-    repo = hub_repo_folder(path.parent)
+    repo = hub_repo_folder(lexical)
     if path.suffix in (JSON_SUFFIX, SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES) and repo is not None:
         check_hub_link(path, repo)
     if path.suffix == JSON_SUFFIX:
@@ -129,10 +130,13 @@ def _broken_link_hint(path: Path) -> str:
 
 
 def hub_repo_folder(folder: Path) -> Path | None:
-    """The hub repo folder (``models--org--name``) when ``folder`` is one of its snapshots, else None."""
-    real = folder.resolve()
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(HUB_REPO_PREFIX):
-        return real.parent.parent
+    """The hub repo folder (``models--org--name``, resolved) when ``folder`` is one of its snapshots, else None.
+
+    ``folder`` is looked at as written (made absolute) and resolved: a cache whose repo folder is a link to
+    a folder named otherwise (``models--org--name -> /bigdisk/llama``) is a hub repo by the link's name."""
+    for path in (Path(os.path.abspath(folder)), folder.resolve()):
+        if path.parent.name == "snapshots" and path.parent.parent.name.startswith(HUB_REPO_PREFIX):
+            return path.parent.parent.resolve()
     return None
 
 
