@@ -76,3 +76,10 @@ def test_a_model_with_one_child_on_one_device_is_that_childs_entry():
     model = nn.Sequential(nn.Linear(4, 4))
     assert infer_auto_device_map(model, {"cpu": 10**6}) == {"0": "cpu"}
     assert dict(incumbent.infer_auto_device_map(model, {"cpu": 10**6})) == {"0": "cpu"}
+
+
+def test_the_planned_map_is_of_the_incumbents_type_in_module_order():
+    """accelerate returns an ``OrderedDict``: code that checks the type (or calls ``move_to_end``) sees the same."""
+    ours, theirs = infer_auto_device_map(Net(), {"cpu": 600}), incumbent.infer_auto_device_map(Net(), {"cpu": 600})
+    assert type(ours) is type(theirs)
+    assert list(ours.items()) == list(theirs.items())

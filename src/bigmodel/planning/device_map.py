@@ -20,6 +20,7 @@ import logging
 import math
 import numbers
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
@@ -111,7 +112,8 @@ def infer_auto_device_map(
             place the first later layer that fits there instead of leaving the device empty.
 
     Returns:
-        dict module or tensor name → device (int, ``"cpu"`` or ``"disk"``), in module order.
+        ``OrderedDict`` (as accelerate returns) module or tensor name → device (int, ``"cpu"`` or ``"disk"``),
+        in module order.
 
     Raises:
         ValueError: a module fits on no device (names it, its size in bytes and the fix), or a
@@ -138,7 +140,7 @@ def infer_auto_device_map(
         device_map = clean_device_map(device_map)
     if verbose:
         logger.info("Device map: %s", device_map)
-    return device_map
+    return OrderedDict(device_map)  # as accelerate returns it (code that checks the type sees the same)
 
 
 def _plan(ctx: PlanContext) -> Placed:
