@@ -19,14 +19,16 @@ def drop(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_wide_llama(path: Path, layers: int = 4) -> Path:
-    """Save a random ``layers``-layer Llama (hidden 512, untied head, 16 MB per layer) at ``path``."""
+def write_wide_llama(path: Path, layers: int = 4, *, vocab: int = 64, tied: bool = False, seed: int = 0,
+                     dtype: torch.dtype = torch.float32, **save: object) -> Path:
+    """Save a random ``layers``-layer Llama (hidden 512, 16 MB per float32 layer; untied head unless ``tied``) of
+    ``dtype`` at ``path``, drawn with ``seed``; ``save`` goes to ``save_pretrained`` (``max_shard_size``)."""
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=vocab, hidden_size=512, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
     )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(str(path))
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).to(dtype).eval().save_pretrained(str(path), **save)
     return path

@@ -215,20 +215,10 @@ def test_models_deleted_and_loaded_again_leave_no_descriptors_or_threads(folder,
         assert _threads("bigmodel-direct") <= before, i
 
 
-def _write_tied_llama(path: Path, layers: int = 4) -> Path:
-    config = transformers.LlamaConfig(
-        vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    transformers.LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(str(path))
-    return path
-
-
 def test_a_tied_head_on_disk_runs_twice_per_forward_from_slots(tmp_path, monkeypatch):
     """Embeddings and head share one weight (8 MB), both on disk: the one file range is laid out for two
     positions of the order, and the logits stay equal forward after forward."""
-    folder = _write_tied_llama(tmp_path / "tied")
+    folder = write_wide_llama(tmp_path / "tied", 4, vocab=4096, tied=True, seed=1)
     with torch.no_grad():
         expected = _reference(folder)(IDS).logits
     layers = [f"model.layers.{i}" for i in range(4)]
@@ -244,13 +234,7 @@ def test_a_tied_head_on_disk_runs_twice_per_forward_from_slots(tmp_path, monkeyp
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_checkpoints_stream_bit_identical(tmp_path, monkeypatch, dtype):
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(2)
-    folder = tmp_path / "half"
-    transformers.LlamaForCausalLM(config).to(dtype).eval().save_pretrained(str(folder))
+    folder = write_wide_llama(tmp_path / "half", 10, seed=2, dtype=dtype)
     with torch.no_grad():
         expected = _reference(folder, dtype)(IDS).logits
     model, _, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch, dtype=dtype)

@@ -184,13 +184,7 @@ def test_read_resident_reads_in_order_skips_anonymous_memory_and_stops_at_the_me
 def test_the_first_forward_reads_ahead_disk_layers_whose_shards_it_maps_itself(tmp_path, monkeypatch):
     """A sharded checkpoint's disk layers: their files are first mapped when the first forward reads them."""
     monkeypatch.delenv(readahead.ENV, raising=False)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    folder = tmp_path / "sharded"
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(str(folder), max_shard_size="20MB")
+    folder = write_wide_llama(tmp_path / "sharded", 4, max_shard_size="20MB")
     shards = sorted(folder.glob("*.safetensors"))
     assert len(shards) >= 4  # about one 16 MB layer per shard
     expected = _reference(folder)
