@@ -19,7 +19,7 @@ from _slot_takes import Takes
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks.align_hook import loading_hook_of
-from bigmodel.offload import direct, readahead
+from bigmodel.offload import direct, fills, readahead
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not readahead.supported() or not direct.layout_possible(),
@@ -147,7 +147,7 @@ def test_page_cache_fills_found_evicted_hold_off_filling_doubling(folder, tmp_pa
     Kept in RAM, the fills go on (the test above)."""
     model, expected, hooks, spans_of, reads, takes = _streamed(folder, tmp_path, monkeypatch)
     reads.available = 10 * AVAILABLE
-    monkeypatch.setattr(readahead, "FILL_HOLD", 2)
+    monkeypatch.setattr(fills, "FILL_HOLD", 2)
     slotted = []
     with torch.no_grad():
         for forward in range(12):
@@ -161,4 +161,4 @@ def test_page_cache_fills_found_evicted_hold_off_filling_doubling(folder, tmp_pa
     # 1: the first forward fills nothing; 2: three blocks filled; 3-4: evicted, a hold of 2; 5: filled;
     # 6-9: evicted again, a hold of 4; 10: filled; 11-12: a hold of 8.
     assert slotted == [10, 7, 10, 10, 7, 10, 10, 10, 10, 7, 10, 10]
-    assert reads._hold == 6 and reads._backoff == 8
+    assert reads._fills.hold == 6 and reads._fills.backoff == 8

@@ -97,8 +97,11 @@ def _arrives(spans: set[tuple[int, int]], seconds: float = 5.0) -> bool:
 
 
 def _owners(spans_of: dict[str, set[tuple[int, int]]], span: tuple[int, int]) -> set[str]:
-    """The modules one of whose spans ``span`` is (a released span is exactly one)."""
-    return {name for name, spans in spans_of.items() if span in spans}
+    """The modules one of whose spans holds ``span`` (a released span is the pages wholly inside one block's
+    tensors: the page it shares with the block before or after it is never released)."""
+    lo, length = span
+    return {name for name, spans in spans_of.items()
+            if min(start for start, _ in spans) <= lo and lo + length <= max(start + size for start, size in spans)}
 
 
 def _streamed(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: int | None):

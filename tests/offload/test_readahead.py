@@ -44,6 +44,30 @@ def test_file_spans_cover_mapped_tensors_and_skip_anonymous_memory(tmp_path):
     assert length - mapped.nbytes < 2 * os.sysconf("SC_PAGE_SIZE")
 
 
+def test_inner_spans_leave_out_the_pages_shared_with_other_tensors(tmp_path):
+    """The pages a release drops: wholly inside the given tensors (merged where they touch), never the page
+    they share with the file's header or the next tensor."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    path = str(tmp_path / "three.safetensors")
+    save_file({"a": torch.ones(3000), "b": torch.ones(5000), "c": torch.ones(100)}, path)
+    index = {k: {"safetensors_file": path, "weight_name": k, "dtype": "float32", "shape": [n]}
+             for k, n in (("a", 3000), ("b", 5000), ("c", 100))}
+    loader = OffloadedWeightsLoader(index=index)
+    a, b, c = loader["a"], loader["b"], loader["c"]
+    assert a.data_ptr() + a.nbytes == b.data_ptr() and b.data_ptr() + b.nbytes == c.data_ptr()  # one after the other
+    mappings = readahead.file_mappings()
+    spans = readahead.inner_spans([b, a, torch.ones(10)], mappings)  # any order; anonymous memory left out
+    assert len(spans) == 1
+    lo, length = spans[0]
+    assert lo % page == 0 and length % page == 0
+    assert a.data_ptr() <= lo and lo - a.data_ptr() < page  # a's first page holds the header's end
+    assert lo + length <= c.data_ptr() < lo + length + page  # the page holding c's first bytes is kept
+    assert length == (c.data_ptr() // page - -(-a.data_ptr() // page)) * page
+    assert readahead.inner_spans([c], mappings) == []  # 400 bytes: no page of its own
+    outer = readahead.file_spans([a, b], mappings)
+    assert sum(size for _, size in outer) > length
+
+
 def test_will_need_reads_a_cold_range_into_ram_without_touching_it(tmp_path):
     mapped, path = _mapped(tmp_path)
     spans = readahead.file_spans([mapped], readahead.file_mappings())

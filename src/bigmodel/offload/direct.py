@@ -333,6 +333,14 @@ class Streams:
         with self._lock:
             return self._give_back(key)
 
+    def give_back_except(self, keys: set[int]) -> None:
+        """A new pass starts: every module's slot may be read into again (once no tensor views it) but those of
+        ``keys``, read ahead for it already.  The last pass's last module holds its slot until now, and a pass
+        that raised midway left its running module's slot held and its reads ahead unused."""
+        with self._lock:
+            for key in [key for key in (*self._reading, *self._held) if key not in keys]:
+                self._give_back(key)
+
     def reset(self) -> None:
         """Forget the layouts and what each module was read into (the slots stay for the next plan)."""
         with self._lock:

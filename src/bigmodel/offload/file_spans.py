@@ -111,18 +111,45 @@ def file_mapping_rows() -> list[MappingRow]:
 
 def file_spans(tensors: Iterable[torch.Tensor], mappings: Sequence[tuple[int, int]]) -> list[Span]:
     """Page-aligned spans of the CPU tensors whose memory lies inside one of ``mappings`` (file-backed)."""
-    starts = [lo for lo, _ in mappings]
     out: list[Span] = []
+    for _, address, end in _file_ranges(tensors, mappings):
+        lo = address - address % PAGE
+        out.append((lo, -(-end // PAGE) * PAGE - lo))
+    return out
+
+
+def inner_spans(tensors: Iterable[torch.Tensor], mappings: Sequence[tuple[int, int]]) -> list[Span]:
+    """The pages wholly inside the memory of the CPU tensors that lies in one of ``mappings``.
+
+    Tensors that touch in one mapping are merged first (a decoder layer's, one after the other in its
+    file: one span).  A page the tensors share with other memory (the tensor before or after them in the
+    file, another module's) is left out: dropping it would evict what that module needs next."""
+    merged: list[list[int]] = []
+    for mapping, address, end in sorted(_file_ranges(tensors, mappings)):
+        if merged and merged[-1][0] == mapping and address <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], end)
+        else:
+            merged.append([mapping, address, end])
+    out: list[Span] = []
+    for _, address, end in merged:
+        lo, hi = -(-address // PAGE) * PAGE, end - end % PAGE
+        if hi > lo:
+            out.append((lo, hi - lo))
+    return out
+
+
+def _file_ranges(tensors: Iterable[torch.Tensor], mappings: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(mapping index, start, end)`` addresses of each contiguous CPU tensor lying inside one of ``mappings``."""
+    starts = [lo for lo, _ in mappings]
+    out = []
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.numel() == 0 or not tensor.is_contiguous():
             continue
         address = tensor.data_ptr()
         end = address + tensor.numel() * tensor.element_size()
         i = bisect.bisect_right(starts, address) - 1
-        if i < 0 or end > mappings[i][1]:
-            continue
-        lo = address - address % PAGE
-        out.append((lo, -(-end // PAGE) * PAGE - lo))
+        if i >= 0 and end <= mappings[i][1]:
+            out.append((i, address, end))
     return out
 
 

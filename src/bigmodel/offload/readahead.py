@@ -9,8 +9,9 @@ per ``read_ahead_kb`` of the device, see :func:`advice_bytes`), in execution ord
 the module running now (page cache used by reads ahead stays bounded); from the model's forward
 start on (:meth:`ReadAhead.start`), so the first offloaded module is read while the ones before
 it compute.  When the offloaded bytes exceed what the page cache can hold, a module's ranges are
-released once it has run (``madvise(MADV_PAGEOUT)``, else ``MADV_COLD``: clean file pages are
-dropped, so the kernel does not evict what is needed next instead), except for modules spread
+released once it has run (:func:`release`; the pages wholly inside its tensors, :func:`inner_spans`: a
+page shared with a neighbour in the file stays; clean file pages are dropped, so the kernel does not
+evict what is needed next instead), except for modules spread
 evenly over the execution order that fit in half of the available memory and stay cached from one
 forward to the next (fewer bytes read per forward; :func:`spread_kept`).  While streaming, reading
 reaches ``STREAM_AHEAD`` (2) of the largest modules ahead (the kept modules take from the first half
@@ -22,7 +23,7 @@ disk never waits for a forward's start.  Modules are read with ``O_DIRECT`` into
 rather than through the page cache where they can be (:mod:`bigmodel.offload.direct`; their hooks
 take the slots' views, :meth:`ReadAhead.take_direct`): every released module, and the others not in
 RAM yet beyond a per-forward budget (:meth:`ReadAhead._route`; none at the first forward, nor for
-a while once pages filled are found evicted: :meth:`ReadAhead._hold_fills`).
+a while once pages filled are found evicted: :class:`~bigmodel.offload.fills.Fills`).
 
 Both calls are hints: they never change a value (a released page is read again from its file
 on the next access), and they are only made on spans of file-backed mappings (never on
@@ -56,6 +57,7 @@ from .file_spans import (  # noqa: F401 (re-exported)
     advice_bytes,
     file_mappings,
     file_spans,
+    inner_spans,
     merged_spans,
     pieces,
     resident,
@@ -64,6 +66,7 @@ from .file_spans import (  # noqa: F401 (re-exported)
 from .direct import Streams
 from .in_order import IN_FLIGHT_BYTES, IN_FLIGHT_MAX, MADV_WILLNEED, InOrder, in_flight_for, will_need  # noqa: F401
 from .drop import drop
+from .fills import Fills
 from .pages import available_memory
 from .spread import spread_kept
 
@@ -78,9 +81,6 @@ RETAIN_FRACTION = 0.5  # of the available memory, for the prefix kept cached bet
 STREAM_FRACTION = 0.8  # offloaded bytes above this fraction of available memory: release after use
 STREAM_AHEAD = 2  # streaming: largest modules' bytes read ahead of the running module (see ReadAhead._plan)
 DIRECT_ENV = "BIGMODEL_DIRECT_READS"  # "0": streaming reads go through the page cache (see offload.direct)
-POPULATE_FRACTION = 1 / 3  # of the kept modules' bytes: read into the page cache per pass, at most (ReadAhead._route)
-FILL_HOLD = 4  # passes that fill no page cache once pages a pass read into it are found evicted (doubling each time)
-FILL_HOLD_MAX = 64  # the longest such hold, in passes (see ReadAhead._hold_fills)
 
 def _executor() -> ThreadPoolExecutor:
     return worker("bigmodel-readahead")
@@ -123,6 +123,7 @@ class ReadAhead:
         self.active = False  # reading ahead (the weights were found not resident at a forward's start)
         self.streaming = False  # releasing used modules (the offloaded bytes exceed the page cache)
         self._spans: list[list[Span]] | None = None
+        self._drops: list[list[Span]] = []  # per order position: the pages a release drops (see inner_spans)
         self._bytes: list[int] = []
         self._kept: list[bool] = []  # per order position: never released while streaming
         self._cost: list[int] = []  # per order position: bytes it adds to what is read ahead (0: kept in RAM)
@@ -140,12 +141,9 @@ class ReadAhead:
         self._takes: list[bool] = []  # per order position: its hook takes a slot's views (see takes_direct)
         self.direct = Streams()  # streaming: released modules read with O_DIRECT into reused slots
         self._direct = False  # this plan reads released modules directly
-        self._cached: list[bool] = []  # per order position, this pass: read through the page cache (see _route)
-        self._passes = 0  # passes begun with direct reads (never reset: the first one fills no page cache)
-        self._filled = False  # the last pass read modules into the page cache (see _hold_fills)
-        self._reached = 0  # order positions the last pass advised (its modules ran or were read)
-        self._hold = 0  # passes left that fill no page cache (its pages were evicted: see _hold_fills)
-        self._backoff = 0  # the length of the last hold, in passes
+        self._fills = Fills()  # which modules each pass reads into the page cache (see _route)
+        self._ran = 0  # order positions < _ran ran in this pass (the module after them started)
+        self._reached = 0  # _ran of the last pass (a pass that raised midway ran fewer than it read ahead)
 
     def reset(self) -> None:
         """Forget the spans (call when a weights map's values change)."""
@@ -197,10 +195,11 @@ class ReadAhead:
         """
         began = (new_pass or index == 0) and not self._early  # a pass start() began goes on (reset() ends it)
         if began:
-            if self._direct and order:  # the last pass's last module ran: no module after it gave its slot back
-                self.direct.release(_key(order, len(order) - 1))
+            if self._direct:  # the slots of the last pass's modules, but this pass's first ones read already
+                self.direct.give_back_except({_key(order, position) for position in range(self._next)})
             self._new_pass(order)
         self._early = False
+        self._ran = max(self._ran, index)
         if not self.active:
             return
         count, cost = len(order), self._cost
@@ -228,7 +227,7 @@ class ReadAhead:
         if released:
             self._used.pop(previous, threading.Event()).set()  # its reads still queued are dropped
         if released and not direct:  # a module read directly left no pages to release
-            job = (functools.partial(_release, reads=self._reads), self._spans[previous], self._values)  # type: ignore[index]
+            job = (functools.partial(_release, reads=self._reads), self._drops[previous], self._values)
             self._releasing[previous] = _releaser().submit(_run, [job])
 
     def _read(self, position: int, pass_: dict[int, threading.Event] | None = None) -> Callable:
@@ -240,7 +239,7 @@ class ReadAhead:
         """A module not routed through the page cache this pass (:meth:`_route`) is read directly into a
         slot where it can be (True).  Not while
         this forward records gradients: its hooks use their mapped views (:meth:`take_direct`)."""
-        return (self._direct and not self._cached[position] and not torch.is_grad_enabled()
+        return (self._direct and not self._fills.cached[position] and not torch.is_grad_enabled()
                 and self.direct.read(position, _key(order, position)))
 
     def _wrap(self, order: Sequence[Any], index: int, ahead: int) -> list[tuple[Callable, list[Span], object]]:
@@ -261,8 +260,8 @@ class ReadAhead:
         return jobs
 
     def _new_pass(self, order: Sequence[Any]) -> None:
-        self._reached = self._ahead
-        self._ahead, self._next, self._releasing = 0, 0, {}
+        wrapped, self._reached = self._next, self._ran  # the last pass read this one's first ``wrapped`` positions
+        self._ahead, self._next, self._ran, self._releasing = 0, 0, 0, {}
         self._used, self._next_used = self._next_used, {}
         learned = self._spans is None or len(self._spans) != len(order)
         if learned:
@@ -275,61 +274,28 @@ class ReadAhead:
         if self.active and (learned or not was):
             self._plan()
         if self.active and self._direct:
-            self._route()
+            self._route([position < wrapped and self.direct.serves(_key(order, position))
+                         for position in range(len(order))])
         elif not self.active and self._direct:  # all in RAM: the slots' memory goes back (a cold pass plans anew)
             self.direct.close()
 
-    def _route(self) -> None:
-        """With direct reads: which modules this pass reads through the page cache.
-
-        Released modules (streaming) never are.  A kept module (every module when not streaming) is when
-        its pages are in RAM already, else while this pass's budget lasts: none at the first pass (it
-        fills no page cache: on the 2-core VM each GB read into fresh page cache took ~1.3 s of CPU
-        time, which the first token waited for), none while a hold lasts (:meth:`_hold_fills`), else
-        ``POPULATE_FRACTION`` of the kept bytes per pass (decoding, that CPU time overlaps the other
-        modules' reads).  The others are read directly into slots like released ones; a model that fits
-        in memory is all in the page cache after four passes."""
+    def _route(self, in_slots: list[bool]) -> None:
+        """With direct reads: which modules this pass reads through the page cache (:class:`Fills`; released
+        ones never are).  ``in_slots``: per order position, read into a slot already (by :meth:`_wrap`)."""
         now = [kept and resident(spans) for spans, kept in zip(self._spans or [], self._kept)]
-        fill = self._hold_fills(now) and self._passes > 0
-        budget = POPULATE_FRACTION * sum(b for b, k in zip(self._bytes, self._kept) if k) if fill else 0
-        self._passes += 1
-        cached, filled = [], False
-        for through, kept, size in zip(now, self._kept, self._bytes):
-            if kept and not through and size <= budget:
-                through, budget, filled = True, budget - size, True
-            cached.append(through)
-        self._cached, self._filled = cached, filled
+        cached = self._fills.route(now, self._kept, self._bytes, in_slots, self._reached)
         # Streaming, the reach counts the bytes of modules not in the page cache only; otherwise all of them.
         self._cost = [0 if through and self.streaming else size for through, size in zip(cached, self._bytes)]
 
-    def _hold_fills(self, now: list[bool]) -> bool:
-        """True if this pass may read modules into the page cache.  ``now``: per order position, its pages are
-        in RAM at this pass's start.
-
-        A module the last pass read through the page cache (and reached) whose pages are gone now was evicted:
-        memory pressure, or another program dropping them, takes what is filled before it is used again, and
-        each GB filled costs CPU time the forward waits for.  Then the next ``FILL_HOLD`` passes fill nothing
-        (their modules are read into slots), and a hold that follows another right away lasts twice as long,
-        up to ``FILL_HOLD_MAX`` passes; a pass whose fills are all found in RAM ends the doubling."""
-        last = self._cached if len(self._cached) == len(now) else []
-        if any(through and not now[i] for i, through in enumerate(last[:self._reached])):
-            self._backoff = min(max(FILL_HOLD, 2 * self._backoff), FILL_HOLD_MAX)
-            self._hold = self._backoff
-            logger.debug("Offloaded pages read into the page cache were evicted: none filled for %d passes", self._hold)
-        elif self._filled:
-            self._backoff = 0
-        fill = self._hold == 0
-        self._hold = max(0, self._hold - 1)
-        return fill
-
     def _learn(self, order: Sequence[Any]) -> None:
-        self._cached = []  # of the last order: no evictions to find in it (see _hold_fills)
+        self._fills.forget()
         hooks = [ref() for ref in order]
         values = [self.read(hook) if hook is not None else {} for hook in hooks]
         takes = self.takes_direct
         self._takes = [hook is not None and (takes is None or takes(hook)) for hook in hooks]
         mappings = file_mappings()  # after the reads: they map the files not mapped yet (lazily opened shards)
         self._spans = [file_spans(tensors.values(), mappings) for tensors in values]
+        self._drops = [inner_spans(tensors.values(), mappings) for tensors in values]
         self._values = [tensors if spans else {} for tensors, spans in zip(values, self._spans)]  # file-backed only
         self._bytes = [sum(length for _, length in spans) for spans in self._spans]
         with_bytes = [i for i, size in enumerate(self._bytes) if size]
