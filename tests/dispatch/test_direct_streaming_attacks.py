@@ -20,6 +20,7 @@ import torch
 from _fake_accelerator import drain_workers
 from _page_cache import drop, write_wide_llama
 from _slot_takes import Takes
+from _streamed_llama import AVAILABLE, BLOCKS, IDS, KEPT, MAP, RELEASED
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks.align_hook import loading_hook_of, offload_hook_of
@@ -28,14 +29,6 @@ from bigmodel.offload import direct, readahead
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not readahead.supported() or not direct.layout_possible(),
                                 reason="needs madvise/mincore, /proc/self/maps and O_DIRECT")
-
-BLOCKS = [f"model.layers.{i}" for i in range(10)]
-MAP = {"model.embed_tokens": "cpu", **dict.fromkeys(BLOCKS, "disk"), "model.norm": "cpu", "model.rotary_emb": "cpu",
-       "lm_head": "cpu"}  # fmt: skip
-IDS = torch.tensor([[5, 6, 7, 8, 9]])
-AVAILABLE = 180_000_000  # as in test_streaming_readahead: kept blocks 1, 4, 7 and 9
-KEPT = ["model.layers.1", "model.layers.4", "model.layers.7", "model.layers.9"]
-RELEASED = [name for name in BLOCKS if name not in KEPT]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 import torch
 from _fake_accelerator import drain_workers
 from _page_cache import drop, write_wide_llama
+from _streamed_llama import AVAILABLE, BLOCKS, IDS, KEPT, MAP
 
 from bigmodel import init_empty_weights, load_checkpoint_and_dispatch
 from bigmodel.hooks.align_hook import loading_hook_of
@@ -27,15 +28,6 @@ from bigmodel.offload import in_order, readahead
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not readahead.supported(), reason="needs madvise/mincore and /proc/self/maps")
-
-BLOCKS = [f"model.layers.{i}" for i in range(10)]
-MAP = {"model.embed_tokens": "cpu", **dict.fromkeys(BLOCKS, "disk"), "model.norm": "cpu", "model.rotary_emb": "cpu",
-       "lm_head": "cpu"}  # fmt: skip
-IDS = torch.tensor([[5, 6, 7, 8, 9]])
-# 10 blocks of 15.8 MB: 158 MB offloaded > 0.8 x 180 MB (streaming); kept: the last (no module starts after
-# it) and, in 0.5 x 180 MB - 2 windows of one block = 58 MB, three blocks spaced evenly over the others.
-AVAILABLE = 180_000_000
-KEPT = ["model.layers.1", "model.layers.4", "model.layers.7", "model.layers.9"]
 
 
 @pytest.fixture(scope="module")
