@@ -41,6 +41,13 @@ def tiny_llama(tie: bool = False, layers: int = 4):
     return transformers.LlamaForCausalLM(config).to(torch.float32).eval()
 
 
+def half_on_disk(layers: int = 4) -> dict[str, str]:
+    """A Llama's device map: embeddings, final norm, rotary embedding, head and the first ``layers // 2``
+    decoder layers on the CPU, the other layers on disk."""
+    top = dict.fromkeys(("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head"), "cpu")
+    return {**top, **{f"model.layers.{i}": "cpu" if i < layers // 2 else "disk" for i in range(layers)}}
+
+
 def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """The row permutation llama.cpp's converter applies to q/k projections (transformers undoes it)."""
     return (

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from _gguf_files import set_tensor_type, tiny_llama, write_tiny_gguf
+from _gguf_files import half_on_disk, set_tensor_type, tiny_llama, write_tiny_gguf
 
 from bigmodel import (
     init_empty_weights,
@@ -27,23 +27,6 @@ def empty_like(model):
         empty = transformers.LlamaForCausalLM(model.config)
     empty.tie_weights()
     return empty.eval()
-
-
-def half_on_disk(model) -> dict[str, str]:
-    layers = model.config.num_hidden_layers
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "cpu",
-    }
-    device_map.update(
-        {
-            f"model.layers.{i}": "cpu" if i < layers // 2 else "disk"
-            for i in range(layers)
-        }
-    )
-    return device_map
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -93,7 +76,7 @@ def test_gguf_dispatch_with_half_the_layers_on_disk(tmp_path: Path) -> None:
     model = load_checkpoint_and_dispatch(
         empty_like(reference),
         str(path),
-        device_map=half_on_disk(reference),
+        device_map=half_on_disk(reference.config.num_hidden_layers),
         offload_folder=tmp_path / "off",
     )
     ids = torch.tensor([[3, 5, 7, 11, 13]])
@@ -110,7 +93,7 @@ def _assert_refused(tmp_path: Path, path: Path, reference, *patterns: str) -> No
         load_checkpoint_and_dispatch(
             model,
             str(path),
-            device_map=half_on_disk(reference),
+            device_map=half_on_disk(reference.config.num_hidden_layers),
             offload_folder=tmp_path / "o",
         )
     for pattern in patterns:

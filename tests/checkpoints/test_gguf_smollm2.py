@@ -14,6 +14,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+from _gguf_files import half_on_disk
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = [
@@ -70,20 +72,8 @@ def test_gguf_with_half_the_layers_offloaded_matches_the_safetensors_conversion(
         model = transformers.LlamaForCausalLM(config)
     model.tie_weights()
     layers = config.num_hidden_layers
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "cpu",
-    }
-    device_map.update(
-        {
-            f"model.layers.{i}": "cpu" if i < layers // 2 else "disk"
-            for i in range(layers)
-        }
-    )
     model = load_checkpoint_and_dispatch(
-        model, str(smollm2_gguf), device_map=device_map, offload_folder=tmp_path / "o"
+        model, str(smollm2_gguf), device_map=half_on_disk(layers), offload_folder=tmp_path / "o"
     )
     model.eval()
     assert len(list((tmp_path / "o").rglob("*.dat"))) == 9 * (layers - layers // 2)

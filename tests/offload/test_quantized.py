@@ -12,28 +12,12 @@ from torch import nn
 pytest.importorskip("torchao")
 pytest.importorskip("transformers")
 
-from _gguf_files import tiny_llama
+from _gguf_files import half_on_disk, tiny_llama
 
 from bigmodel import cpu_offload, disk_offload, dispatch_model, init_empty_weights
 from bigmodel.offload.quantized import FORMS, QuantizedWeight, quantize
 
 IDS = torch.tensor([[3, 5, 7, 11, 13, 17]])
-
-
-def half_on_disk(layers: int = 4) -> dict[str, str]:
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "cpu",
-    }
-    device_map.update(
-        {
-            f"model.layers.{i}": "cpu" if i < layers // 2 else "disk"
-            for i in range(layers)
-        }
-    )
-    return device_map
 
 
 @pytest.mark.parametrize(
