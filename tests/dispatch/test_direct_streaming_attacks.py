@@ -143,6 +143,57 @@ def test_a_forward_that_raises_midway_leaks_no_slot(folder, tmp_path, monkeypatc
         assert len(reads.direct._slots) <= reads.stream_ahead + 1
 
 
+def test_an_interrupt_while_a_forward_waits_for_a_direct_read_loses_no_slot(folder, tmp_path, monkeypatch):
+    """Ctrl-C lands where a streaming forward mostly is: waiting for a slot's read.  The slot is read into
+    again by the next forwards (it was lost for good: fewer blocks read directly after each interrupt)."""
+    with torch.no_grad():
+        expected = _reference(folder)(IDS).logits
+    model, hooks, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch)
+    released = {id(hooks[name]) for name in RELEASED}
+    wait, calls, armed = direct.Reading.wait, [], True
+
+    def interrupted(reading):
+        calls.append(reading)
+        values = wait(reading)
+        if len(calls) == 2 and armed:  # the read is done, Ctrl-C arrives before its values are returned
+            raise KeyboardInterrupt
+        return values
+
+    monkeypatch.setattr(direct.Reading, "wait", interrupted)
+    with torch.no_grad():
+        for _ in range(2):
+            calls.clear()
+            armed = True
+            with pytest.raises(KeyboardInterrupt):
+                model(IDS)
+            armed = False
+            for forward in range(2):
+                takes.served.clear()
+                assert torch.equal(model(IDS).logits, expected), forward
+            assert released <= set(takes.served)
+    assert len(reads.direct._slots) <= reads.stream_ahead + 1
+
+
+def test_a_first_forward_that_raises_midway_leaves_no_partial_order(folder, tmp_path, monkeypatch):
+    """The first forward records the execution order; raising at block 5, it ran six of the ten blocks.  The
+    next forward records it again: every block is read ahead and released (an order of six kept for good
+    left blocks 6-9 unread ahead and unreleased, streaming never started)."""
+    with torch.no_grad():
+        expected = _reference(folder)(IDS).logits
+    model, hooks, reads, takes = _streamed(folder, tmp_path / "off", monkeypatch)
+    failing = model.get_submodule(BLOCKS[5]).register_forward_hook(lambda *a: 1 / 0)
+    with torch.no_grad():
+        with pytest.raises(ZeroDivisionError):
+            model(IDS)
+        failing.remove()
+        for _ in range(3):
+            takes.served.clear()
+            assert torch.equal(model(IDS).logits, expected)
+    order = next(iter(hooks.values())).prefetcher.order
+    assert not order.recording and len(order.refs) == len(BLOCKS)
+    assert reads.streaming and {id(hooks[name]) for name in RELEASED} <= set(takes.served)
+
+
 def test_a_weights_map_value_changed_in_place_between_forwards_is_used(folder, tmp_path, monkeypatch):
     names = ("model.layers.0.mlp.down_proj", "model.layers.5.self_attn.q_proj")
     reference = _reference(folder)

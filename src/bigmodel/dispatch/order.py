@@ -76,6 +76,13 @@ class ExecutionOrder:
             return False
         return self.finish()
 
+    def restart(self) -> None:
+        """The forward being recorded raised: what it recorded is dropped, the next forward records again
+        (a first forward interrupted at its sixth of ten offloaded modules would otherwise leave an order of
+        six for good: the other four never read ahead, never released)."""
+        if self.recording:
+            self._recorded, self._seen = [], set()
+
     def finish(self) -> bool:
         """End the recording (the model's next forward starts): the recorded order replaces the guess.
 

@@ -258,6 +258,11 @@ class Prefetcher:
         self._calm = self.in_place and not order.recording and not readahead.active and all(
             hook is not None and _on_cpu(hook.device) for hook in (ref() for ref in order.refs))
 
+    def forward_failed(self) -> None:
+        """The model's own forward raised: a first forward's partial order is not kept (the next forward
+        records it again along the guess, :meth:`ExecutionOrder.restart`)."""
+        self.order.restart()
+
     def _countdown(self, keys: list[int] | None) -> bool:
         """One more turn for each of the modules ``keys`` (found in RAM) without asking the kernel: what
         :meth:`_read_ahead_in_place` does for them; False (nothing counted) when one is due to be asked."""

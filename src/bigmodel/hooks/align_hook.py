@@ -343,11 +343,14 @@ class AlignDevicesHook(ModelHook):
         return output
 
     def forward_failed(self, module: nn.Module) -> None:
-        """The forward raised: put the meta placeholders back so the loaded weights are freed."""
+        """The forward raised: put the meta placeholders back so the loaded weights are freed (the model's
+        own hook: its prefetcher forgets a first forward's partial execution order)."""
         if self.offload and self._slots:
             self.unload_weights(module)
         if self.members:
             self._unload_members()
+        if not self.offload and not self.members and self.prefetcher is not None:
+            self.prefetcher.forward_failed()
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
         while self._bypassed:  # removed inside its own forward: the members get their hooked forwards back

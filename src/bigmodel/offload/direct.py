@@ -315,7 +315,12 @@ class Streams:
             reading = self._reading.pop(key, None)
         if reading is None:
             return None
-        values = reading.wait()
+        try:
+            values = reading.wait()
+        except BaseException:  # KeyboardInterrupt while waiting (the forward mostly waits for the disk here)
+            with self._lock:
+                self._idle_again(reading.slot, reading.chunks)  # popped above: else the slot is lost for good
+            raise
         with self._lock:
             if values is None:
                 self._idle_again(reading.slot)
