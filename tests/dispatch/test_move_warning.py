@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -39,3 +40,19 @@ def test_the_move_warning_opens_with_the_incumbents_words(caplog):
         model.to("cpu")
     [message] = [record.getMessage() for record in caplog.records]
     assert message.startswith("You shouldn't move a model that is dispatched using accelerate hooks. ")
+
+
+def test_no_warning_once_other_code_removed_the_hooks(caplog):
+    """peft's ``PeftModel.from_pretrained`` removes the hooks with accelerate's ``remove_hook_from_submodules``,
+    then moves the model as accelerate's ``dispatch_model`` does: no hook moves inputs any more, the warning
+    (which named "execution devices (none)") would be false."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    expected = model(x)
+    dispatch_model(model, {"": "cpu"}, force_hooks=True)
+    hooks.remove_hook_from_submodules(model)
+    with caplog.at_level(logging.WARNING, logger="bigmodel"):
+        assert model.to("cpu") is model
+    assert [record.getMessage() for record in caplog.records] == []
+    assert torch.equal(model(x), expected)

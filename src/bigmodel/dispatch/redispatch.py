@@ -103,11 +103,13 @@ class GuardedApply(ModuleBound):
                 "another dtype are fine). Dispatch it again with another device map, or call "
                 "bigmodel.remove_hook_from_submodules(model) first, which brings the weights back into the modules."
             )
-        logger.warning(  # opens with the incumbent's words: code matches this warning by its text
-            "%s Calling .%s() on a model dispatched with hooks moves its tensors, but its hooks keep moving "
-            "inputs to their execution devices (%s); dispatch it again with the new device map instead.",
-            INCUMBENT_MOVE_WARNING, name, ", ".join(_execution_devices(model)) or "none",
-        )
+        devices = _execution_devices(model)
+        if devices:  # none: other code removed the hooks (peft's re-dispatch through accelerate does): a plain move
+            logger.warning(  # opens with the incumbent's words: code matches this warning by its text
+                "%s Calling .%s() on a model dispatched with hooks moves its tensors, but its hooks keep moving "
+                "inputs to their execution devices (%s); dispatch it again with the new device map instead.",
+                INCUMBENT_MOVE_WARNING, name, ", ".join(devices),
+            )
         return apply(model, fn, *args, **kwargs)
 
 
