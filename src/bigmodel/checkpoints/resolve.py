@@ -101,9 +101,8 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> CheckpointFiles:
             f"Checkpoint {str(path)!r} is not a regular file (a pipe, socket or device); pass a weights file, "
             "an index or a folder."
         )
-    lexical = Path(os.path.abspath(path.parent))  # a symlinked repo folder may have another name where it lies
+    repo = hub_repo_folder(path.parent)  # before resolving: a linked repo folder may lie under another name
     path = path.parent.resolve() / path.name
-    repo = hub_repo_folder(lexical)
     if path.suffix in (JSON_SUFFIX, SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES) and repo is not None:
         check_hub_link(path, repo)
     if path.suffix == JSON_SUFFIX:

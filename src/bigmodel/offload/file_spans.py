@@ -124,14 +124,8 @@ def inner_spans(tensors: Iterable[torch.Tensor], mappings: Sequence[tuple[int, i
     Tensors that touch in one mapping are merged first (a decoder layer's, one after the other in its
     file: one span).  A page the tensors share with other memory (the tensor before or after them in the
     file, another module's) is left out: dropping it would evict what that module needs next."""
-    merged: list[list[int]] = []
-    for mapping, address, end in sorted(_file_ranges(tensors, mappings)):
-        if merged and merged[-1][0] == mapping and address <= merged[-1][2]:
-            merged[-1][2] = max(merged[-1][2], end)
-        else:
-            merged.append([mapping, address, end])
     out: list[Span] = []
-    for _, address, end in merged:
+    for address, end in _merged(_file_ranges(tensors, mappings)):
         lo, hi = -(-address // PAGE) * PAGE, end - end % PAGE
         if hi > lo:
             out.append((lo, hi - lo))
@@ -180,14 +174,19 @@ def merged_spans(tensors: Iterable[torch.Tensor]) -> list[Span]:
         if tensor.numel():
             address = tensor.data_ptr()
             end = address + tensor.numel() * tensor.element_size()
-            ranges.append((address - address % PAGE, -(-end // PAGE) * PAGE))
+            ranges.append((0, address - address % PAGE, -(-end // PAGE) * PAGE))
+    return [(lo, hi - lo) for lo, hi in _merged(ranges)]
+
+
+def _merged(ranges: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """``(start, end)`` of the ``(key, start, end)`` ranges, those of one key that touch or overlap merged."""
     merged: list[list[int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
+    for key, lo, hi in sorted(ranges):
+        if merged and merged[-1][0] == key and lo <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], hi)
         else:
-            merged.append([lo, hi])
-    return [(lo, hi - lo) for lo, hi in merged]
+            merged.append([key, lo, hi])
+    return [(lo, hi) for _, lo, hi in merged]
 
 
 def resident(spans: Iterable[Span], last: bool = True) -> bool:

@@ -143,7 +143,6 @@ class ReadAhead:
         self._direct = False  # this plan reads released modules directly
         self._fills = Fills()  # which modules each pass reads into the page cache (see _route)
         self._ran = 0  # order positions < _ran ran in this pass (the module after them started)
-        self._reached = 0  # _ran of the last pass (a pass that raised midway ran fewer than it read ahead)
 
     def reset(self) -> None:
         """Forget the spans (call when a weights map's values change)."""
@@ -260,7 +259,7 @@ class ReadAhead:
         return jobs
 
     def _new_pass(self, order: Sequence[Any]) -> None:
-        wrapped, self._reached = self._next, self._ran  # the last pass read this one's first ``wrapped`` positions
+        wrapped, ran = self._next, self._ran  # the last pass read this one's first ``wrapped`` positions
         self._ahead, self._next, self._ran, self._releasing = 0, 0, 0, {}
         self._used, self._next_used = self._next_used, {}
         learned = self._spans is None or len(self._spans) != len(order)
@@ -275,15 +274,16 @@ class ReadAhead:
             self._plan()
         if self.active and self._direct:
             self._route([position < wrapped and self.direct.serves(_key(order, position))
-                         for position in range(len(order))])
+                         for position in range(len(order))], ran)
         elif not self.active and self._direct:  # all in RAM: the slots' memory goes back (a cold pass plans anew)
             self.direct.close()
 
-    def _route(self, in_slots: list[bool]) -> None:
+    def _route(self, in_slots: list[bool], ran: int) -> None:
         """With direct reads: which modules this pass reads through the page cache (:class:`Fills`; released
-        ones never are).  ``in_slots``: per order position, read into a slot already (by :meth:`_wrap`)."""
+        ones never are).  ``in_slots``: per order position, read into a slot already (by :meth:`_wrap`);
+        ``ran``: positions ``< ran`` ran in the last pass (one that raised midway ran fewer than it read ahead)."""
         now = [kept and resident(spans) for spans, kept in zip(self._spans or [], self._kept)]
-        cached = self._fills.route(now, self._kept, self._bytes, in_slots, self._reached)
+        cached = self._fills.route(now, self._kept, self._bytes, in_slots, ran)
         # Streaming, the reach counts the bytes of modules not in the page cache only; otherwise all of them.
         self._cost = [0 if through and self.streaming else size for through, size in zip(cached, self._bytes)]
 
