@@ -2,23 +2,27 @@
 
 ``forward_cold_600mb``: the 600 MB CPU budget load of ``forward_disk_600mb`` (embeddings,
 head, norm and layers 0-1 on cpu; layers 2-15, 1.41 GB, on disk), one 1x8-token warm-up
-forward, then ``repeats`` timed 1x128 forwards (the best kept), and before each of them the
-disk layers' bytes are dropped from the page cache: the byte ranges of the disk-mapped tensors
-in the checkpoint shards plus every file of the offload folder (accelerate's ``.dat`` copies),
-unmapped from the process first (see :mod:`benchmarks.pagecache`).  Never a global drop.
+forward, then ``repeats`` rounds, each in the same process: an in-memory forward of the whole model
+without hooks (loaded by transformers, copied into anonymous memory so the drops leave it alone), a cold
+``O_DIRECT`` read of the disk layers' bytes (the storage's own rate: 4 x 128 MB reads in flight into
+buffers made once), that forward again with the same cold read running beside it (what a perfect
+overlap of reads and compute gives on this machine, where reading takes CPU time from the compute), and
+the implementation's 1x128 forward with the disk layers' bytes dropped from the page cache first: the byte
+ranges of the disk-mapped tensors in the checkpoint shards plus every file of the offload folder
+(accelerate's ``.dat`` copies), unmapped from the process first (see :mod:`benchmarks.pagecache`).  Never
+a global drop.
 
-Rows: the time per cold forward; the cold sequential read of the disk layers' bytes the
-implementation reads (its offload folder's files if it wrote any, else the shards' ranges; 8 MiB
-reads, measured in the same process, just before each forward); their ratio per forward (the
-storage's speed drifts between processes, so this is the ratio to judge); the fraction of those pages still
-cached right after a drop (0 = the drop worked).  Floor: max(cold sequential read of the disk
-layers' byte ranges of the shards, in-memory forward of the whole model without hooks).
+The ratio to judge is per round, in one process (the storage's and the CPUs' speed drift from minute to
+minute on a shared VM): forward / max(cold read, in-memory forward), the median over rounds (issue 17's
+target: <= 1.15).  Floor: the same rounds without an implementation (its forward row: max(cold read,
+in-memory forward); its ratio row: the overlapped forward's).
 """
 
 from __future__ import annotations
 
 import shutil
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,23 +57,73 @@ def disk_ranges(device_map: dict[str, str], offload_folder: str | None) -> dict[
 
 
 def _cold_forwards(model, ranges, source, repeats: int) -> Metrics:
-    """Per repeat: a cold sequential read of ``source``, then a forward with ``ranges`` dropped: the two
-    side by side, as the storage's speed drifts from minute to minute on a shared disk."""
-    ids = input_ids(VOCAB)
+    """``repeats`` rounds of: in-memory forward, cold read of ``source``, the two side by side, then the
+    implementation's forward (``model``; None for the floor) with ``ranges`` dropped."""
+    plain, reader, ids = _plain_in_memory(), pagecache.DirectReader(), input_ids(VOCAB)
+    rows: dict[str, list[float]] = {key: [] for key in ("memory", "read", "overlapped", "forward", "left")}
     with torch.no_grad():
-        model(ids[:, :8])  # warm-up: first-call costs; lets an implementation learn the layer order
-        times, reads, left = [], [], []
+        plain(ids[:, :8])
+        if model is not None:
+            model(ids[:, :8])  # warm-up: first-call costs; lets an implementation learn the layer order
         for _ in range(repeats):
-            read_s, nbytes = pagecache.read_cold(source)
-            reads.append(read_s)
-            pagecache.drop(ranges)
-            left.append(pagecache.cached_fraction(ranges))
-            t0 = time.perf_counter()
-            logits = model(ids).logits
-            times.append(time.perf_counter() - t0)
-    return {"time_s": min(times), "cold_read_s": statistics.median(reads),
-            "vs_cold_read": statistics.median(t / r for t, r in zip(times, reads)), "disk_gb": nbytes / 1e9,
-            "cached_after_drop": max(left), "logits_sum": float(logits.double().sum())}
+            rows["memory"].append(_timed(lambda: plain(ids)))
+            rows["read"].append(_cold_read(reader, source))
+            rows["overlapped"].append(_overlapped(plain, ids, reader, source))
+            if model is not None:
+                pagecache.drop(ranges)
+                rows["left"].append(pagecache.cached_fraction(ranges))
+                t0 = time.perf_counter()
+                logits = model(ids).logits
+                rows["forward"].append(time.perf_counter() - t0)
+    floors = [max(r, m) for r, m in zip(rows["read"], rows["memory"])]
+    tried = rows["forward"] or rows["overlapped"]
+    out = {"cold_read_s": statistics.median(rows["read"]), "memory_forward_s": statistics.median(rows["memory"]),
+           "overlapped_s": statistics.median(rows["overlapped"]), "disk_gb": _gb(source),
+           "vs_floor": statistics.median(t / f for t, f in zip(tried, floors)),
+           "time_s": statistics.median(rows["forward"] or floors)}
+    if model is not None:
+        out.update(cached_after_drop=max(rows["left"]), logits_sum=float(logits.double().sum()))
+    else:
+        out["logits_sum"] = float(plain(ids).logits.double().sum())
+    return out
+
+
+def _plain_in_memory():
+    """The whole model in anonymous memory (transformers maps the shards: a drop would evict its weights)."""
+    model = plain_llama()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
+    return model
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _cold_read(reader: pagecache.DirectReader, ranges) -> float:
+    pagecache.drop(ranges)
+    seconds, _ = reader.read(ranges)
+    pagecache.drop(ranges)
+    return seconds
+
+
+def _overlapped(plain, ids, reader: pagecache.DirectReader, ranges) -> float:
+    """The in-memory forward with the cold read running beside it: until both are done (s)."""
+    pagecache.drop(ranges)
+    t0 = time.perf_counter()
+    beside = threading.Thread(target=reader.read, args=(ranges,))
+    beside.start()
+    plain(ids)
+    beside.join()
+    seconds = time.perf_counter() - t0
+    pagecache.drop(ranges)
+    return seconds
+
+
+def _gb(ranges) -> float:
+    return sum(end - start for spans in ranges.values() for start, end in pagecache.merge(sorted(spans))) / 1e9
 
 
 def run(lib: Any, params: dict[str, Any]) -> Metrics:
@@ -87,19 +141,7 @@ def run(lib: Any, params: dict[str, Any]) -> Metrics:
 
 def floor(params: dict[str, Any]) -> Metrics:
     ranges = disk_ranges(params["device_map"], None)
-    read_s, nbytes = pagecache.read_cold(ranges)
-    model = plain_llama()
-    ids = input_ids(VOCAB)
-    with torch.no_grad():
-        model(ids[:, :8])
-        times = []
-        for _ in range(params["repeats"]):
-            t0 = time.perf_counter()
-            logits = model(ids).logits
-            times.append(time.perf_counter() - t0)
-    return {"time_s": max(read_s, min(times)), "cold_read_s": read_s, "vs_cold_read": max(read_s, min(times)) / read_s,
-            "disk_gb": nbytes / 1e9,
-            "memory_forward_s": min(times), "logits_sum": float(logits.double().sum())}
+    return _cold_forwards(None, ranges, ranges, params["repeats"])
 
 
 _CKPT = str(fixtures.CACHE / "llama-st" / "model.safetensors.index.json")
@@ -107,14 +149,16 @@ _CKPT = str(fixtures.CACHE / "llama-st" / "model.safetensors.index.json")
 CASES = [
     Case("forward_cold_600mb", "cold-cache forward 1x128, 600 MB CPU budget, 14/16 layers on disk",
          run, floor,
-         (Metric("time_s", "time per forward, disk layers dropped from the page cache first (s; "
+         (Metric("time_s", "time per forward, disk layers dropped from the page cache first (s, median; "
                            "floor = max(cold read, in-memory forward))"),
-          Metric("cold_read_s", "cold sequential read of the disk layers' bytes, same process, just before "
-                                "each forward (s, median)"),
-          Metric("vs_cold_read", "time per forward / the cold read just before it, same process (median; "
-                                 "floor: max(cold read, in-memory forward) / cold read)", fmt="{:.2f}"),
+          Metric("vs_floor", "time per forward / max(cold read, in-memory forward), each round in the same process "
+                             "(median; target <= 1.15; floor: the in-memory forward with the cold read beside it)",
+                 fmt="{:.2f}"),
+          Metric("cold_read_s", "cold O_DIRECT read of the disk layers' bytes, same process, each round (s, median)"),
+          Metric("memory_forward_s", "in-memory forward without hooks, same process, each round (s, median)"),
+          Metric("overlapped_s", "in-memory forward with that cold read beside it, same process (s, median)"),
           Metric("disk_gb", "disk layers' bytes (GB)", fmt="{:.2f}"),
           Metric("cached_after_drop", "fraction of those pages cached right after the drop", fmt="{:.3f}")),
-         params={"checkpoint": _CKPT, "device_map": "budget_600mb", "repeats": 3}, needs=("llama",),
+         params={"checkpoint": _CKPT, "device_map": "budget_600mb", "repeats": 5}, needs=("llama",),
          warm_files="st", quick=False, timeout_s=600),
 ]
