@@ -4,6 +4,7 @@ rewritten while a tensor views them, and the mapped views used wherever a direct
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -262,3 +263,27 @@ def test_a_slot_of_an_earlier_plan_taken_back_late_is_not_read_into(tmp_path, mo
     assert streams.read(0, 2)
     read = streams.take(2)
     assert read is not None and all(torch.equal(read[key], value) for key, value in large.items())
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping holding ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                low, high = (int(x, 16) for x in first.split("-"))
+                inside = low <= address < high
+            elif inside and first == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(getattr(mmap, "MADV_HUGEPAGE", None) is None
+                    or not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+                    reason="needs transparent huge pages")
+def test_slots_ask_for_transparent_huge_pages():
+    """A slot is read into with O_DIRECT at every forward: its memory is advised MADV_HUGEPAGE (smaps flag
+    ``hg``), so the kernel pins 2 MB pages rather than 4 KB ones (a cold forward 1.30 -> 1.10-1.13x here)."""
+    slot = direct.Slot(8 << 20)
+    assert "hg" in _vm_flags(slot.tensor.data_ptr())

@@ -8,7 +8,8 @@ the 2-core development VM 1.3-1.5 s of system CPU time per GB, so reading 24 GB 
 both CPUs busy, where ``O_DIRECT`` reads of the same byte ranges into buffers allocated once took
 13-23 s with 1-2 s of CPU time (BENCHMARKS.md, session 12).  Here a module's byte ranges are read
 with ``O_DIRECT`` ``preadv`` calls (``CHUNK_BYTES`` each, ``READERS`` at once) into a :class:`Slot`
-(anonymous memory, page-aligned, reused from module to module and from forward to forward), and the
+(anonymous memory, page-aligned, on transparent huge pages where the kernel has them, reused from module
+to module and from forward to forward), and the
 module's hook gets views of the slot in place of the mapped views.
 
 The values are the same bytes at the same offsets modulo the page size (a tensor at file offset ``f``
@@ -127,12 +128,28 @@ def _page_span(address: int, size: int) -> tuple[int, int]:
     return low, -(-(address + size) // PAGE) * PAGE - low
 
 
+def _huge_pages(buffer: mmap.mmap) -> None:
+    """Ask for transparent huge pages (``MADV_HUGEPAGE``; a hint: nothing changes where THP is off).
+
+    A slot is read into with ``O_DIRECT`` at every forward and its values computed with: on 2 MB pages
+    the kernel pins 512 times fewer pages per read, and the compute walks fewer page tables.  On the
+    2-core VM a cold forward of the 2 GB fixture went from 1.19-1.31x max(cold read, in-memory forward)
+    to 1.07-1.16x (``forward_cold_600mb``, BENCHMARKS.md, session 15)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            buffer.madvise(advice)
+        except OSError:  # a kernel built without THP
+            pass
+
+
 class Slot:
     """A page-aligned anonymous buffer of ``nbytes`` that module values are read into and viewed from."""
 
     def __init__(self, nbytes: int) -> None:
         # Private anonymous memory (mmap's default for -1 is shared, i.e. shmem): counted as the process's own.
         self.buffer = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        _huge_pages(self.buffer)
         self.memory = memoryview(self.buffer)
         self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8)
         self._storage = self.tensor.untyped_storage()
