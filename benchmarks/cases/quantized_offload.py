@@ -5,8 +5,8 @@ The offloaded part is stored as float32 (the checkpoint's dtype), float8, int8 o
 the offloaded bytes (the offload folder's files, and the checkpoint ranges the folder points
 to) are dropped from the page cache: ``madvise(MADV_DONTNEED)`` on this process's own
 mappings of them, then ``posix_fadvise(DONTNEED)`` on those files only (never a global
-drop), so every token reads the offloaded weights from storage as with a model larger than
-RAM.  Rows: tokens/s of a greedy 16-token generate after an 8-token prompt; bytes read from
+drop; the pages wholly inside those ranges: one shared with a layer in RAM stays), so every
+token reads the offloaded weights from storage as with a model larger than RAM.  Rows: tokens/s of a greedy 16-token generate after an 8-token prompt; bytes read from
 storage per generated token (``read_bytes`` of ``/proc/self/io``, all threads of the process);
 the offload folder's size.  accelerate 1.15.0 stores offloaded weights in full precision
 only: it runs the float32 row.  Floor: the whole model in memory, no hooks.
@@ -14,10 +14,7 @@ only: it runs the float32 row.  Floor: the whole model in memory, no hooks.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
-import os
 import shutil
 import struct
 import time
@@ -26,13 +23,11 @@ from typing import Any
 
 import torch
 
-from .. import fixtures
+from .. import fixtures, pagecache
 from .base import Case, Metric, Metrics
 
 NEW_TOKENS = 16
 PROMPT = [1, 504, 3458, 282, 253, 1345, 30, 2]
-PAGE = os.sysconf("SC_PAGE_SIZE")
-MADV_DONTNEED = 4
 MB = 1e6
 
 Ranges = dict[str, list[tuple[int, int]]]  # file -> [start, end) byte ranges
@@ -63,33 +58,11 @@ def offloaded_ranges(folder: str) -> Ranges:
     return ranges
 
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-
 def drop(ranges: Ranges) -> None:
-    """Drop the ranges from the page cache: unmap this process's pages of them first (a mapped page is not dropped)."""
-    with open("/proc/self/maps") as f:
-        maps = [line.split(maxsplit=5) for line in f]
-    for parts in maps:
-        spans = ranges.get(parts[5].strip()) if len(parts) == 6 else None
-        if not spans:
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        offset = int(parts[2], 16)
-        for start, end in spans:
-            a = max(start, offset) // PAGE * PAGE
-            b = -(-min(end, offset + hi - lo) // PAGE) * PAGE
-            if a < b:
-                _LIBC.madvise(ctypes.c_void_p(lo + a - offset), b - a, MADV_DONTNEED)
-    for path, spans in ranges.items():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for start, end in spans:
-                os.posix_fadvise(fd, start // PAGE * PAGE, -(-end // PAGE) * PAGE - start // PAGE * PAGE,
-                                 os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    """Drop the ranges from the page cache (:func:`benchmarks.pagecache.drop`: this process's mappings first; only
+    the pages wholly inside the merged ranges: a page shared with a tensor of a layer in RAM stays, as a real
+    eviction of the offloaded bytes would leave it, else its page fault reads ``read_ahead_kb`` around it)."""
+    pagecache.drop({path: pagecache.merge(spans) for path, spans in ranges.items()})
 
 
 def _cold_generate(model, ranges: Ranges) -> Metrics:

@@ -287,3 +287,21 @@ def test_slots_ask_for_transparent_huge_pages():
     ``hg``), so the kernel pins 2 MB pages rather than 4 KB ones (a cold forward 1.30 -> 1.10-1.13x here)."""
     slot = direct.Slot(8 << 20)
     assert "hg" in _vm_flags(slot.tensor.data_ptr())
+
+
+def test_values_far_apart_in_one_file_are_separate_runs_and_the_bytes_between_are_not_read(tmp_path):
+    """A quantized layer reads its norms from the checkpoint, which lie around its full-precision weights:
+    only their pages are read, not the ``GAP_BYTES`` or more between them."""
+    g = torch.Generator().manual_seed(5)
+    tensors = {"a.norm": torch.randn(576, generator=g), "b.big": torch.randn(1 << 19, generator=g),
+               "c.norm": torch.randn(576, generator=g)}  # 2 MB between the norms
+    mapped = _mapped(tmp_path, tensors)
+    values = {"a.norm": mapped["a.norm"], "c.norm": mapped["c.norm"]}
+    plan = direct.layout(values, Mappings())
+    assert plan is not None and len(plan.runs) == 2
+    assert sum(run.length for run in plan.runs) <= 4 * 4096  # the norms' pages, not the 2 MB between
+    read = _read(direct.Streams(), values)
+    assert read is not None and all(torch.equal(read[k], v) for k, v in values.items())
+    close = {"a.norm": mapped["a.norm"], "b.big": mapped["b.big"]}  # touching: one run
+    plan = direct.layout(close, Mappings())
+    assert plan is not None and len(plan.runs) == 1

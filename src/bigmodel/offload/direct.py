@@ -43,6 +43,7 @@ from .file_spans import PAGE
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 128 << 20  # bytes per preadv call (the block layer splits it into max_sectors_kb requests)
+GAP_BYTES = 1 << 20  # values of one file less than this apart are read in one run, the bytes between with them
 READERS = 4  # preadv calls in flight: 4 x 128 MB read 2.5 GB/s here where 2 x 128 MB read 2.0-2.3 (session 12)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
@@ -82,8 +83,10 @@ def layout(values: Mapping[str, torch.Tensor], mappings: Mappings) -> Layout | N
     ``mappings`` must be read after the values' mappings were made (a fresh :class:`Mappings`: a row
     kept from before could describe another file mapped at the same address then).
 
-    Values of one file lying less than ``CHUNK_BYTES`` apart are read in one run (a decoder layer's
-    tensors lie one after the other in a safetensors file: one run)."""
+    Values of one file lying less than ``GAP_BYTES`` apart are read in one run (a decoder layer's
+    tensors lie one after the other in a safetensors file: one run); values further apart are separate runs,
+    so the bytes between them are not read (a quantized layer's norms stay in the checkpoint, 10 MB apart
+    around its full-precision weights, which its hook never uses)."""
     found = _placed(values, mappings) if layout_possible() else None
     if not found or not found[0]:
         return None
@@ -92,7 +95,7 @@ def layout(values: Mapping[str, torch.Tensor], mappings: Mappings) -> Layout | N
     views = []
     for path, inode, offset, size, key, value in sorted(placed, key=lambda p: (p[0], p[2])):
         last = runs[-1] if runs else None
-        if last is None or (last.path, last.inode) != (path, inode) or offset >= last.offset + last.length + CHUNK_BYTES:
+        if last is None or (last.path, last.inode) != (path, inode) or offset >= last.offset + last.length + GAP_BYTES:
             last = Run(path, inode, offset - offset % PAGE, 0, last.at + last.length if last else 0)
             runs.append(last)
         end = offset + size
