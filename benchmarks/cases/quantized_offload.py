@@ -6,10 +6,10 @@ the offloaded bytes (the offload folder's files, and the checkpoint ranges the f
 to) are dropped from the page cache: ``madvise(MADV_DONTNEED)`` on this process's own
 mappings of them, then ``posix_fadvise(DONTNEED)`` on those files only (never a global
 drop; the pages wholly inside those ranges: one shared with a layer in RAM stays), so every
-token reads the offloaded weights from storage as with a model larger than RAM.  Rows: tokens/s of a greedy 16-token generate after an 8-token prompt; bytes read from
-storage per generated token (``read_bytes`` of ``/proc/self/io``, all threads of the process);
-the offload folder's size.  accelerate 1.15.0 stores offloaded weights in full precision
-only: it runs the float32 row.  Floor: the whole model in memory, no hooks.
+token reads the offloaded weights from storage as with a model larger than RAM.  Rows: tokens/s of
+a greedy 16-token generate after an 8-token prompt; bytes read from storage per generated token
+(``read_bytes`` of ``/proc/self/io``, all threads of the process); the offload folder's size.
+accelerate 1.15.0 stores offloaded weights in full precision only: it runs the float32 row.  Floor: the whole model in memory, no hooks.
 """
 
 from __future__ import annotations
