@@ -9,7 +9,8 @@ drop; the pages wholly inside those ranges: one shared with a layer in RAM stays
 token reads the offloaded weights from storage as with a model larger than RAM.  Rows: tokens/s of
 a greedy 16-token generate after an 8-token prompt; bytes read from storage per generated token
 (``read_bytes`` of ``/proc/self/io``, all threads of the process); the offload folder's size.
-accelerate 1.15.0 stores offloaded weights in full precision only: it runs the float32 row.  Floor: the whole model in memory, no hooks.
+accelerate 1.15.0 stores offloaded weights in full precision only: it runs the float32 row.
+Floor: the whole model in memory, no hooks.
 """
 
 from __future__ import annotations
